@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""Benchmark: stock ComfyUI FLUX vs this pack, same weights, same process.
+
+    python bench.py --res 1024                      # FLUX.1-dev architecture, random weights, H200
+    python bench.py --model flux1-dev.safetensors   # real weights
+    python bench.py --config tiny --device cpu      # smoke test of the harness itself
+
+Variants (all on one set of weights; ComfyUI's own ``Flux`` module when a ComfyUI tree is
+importable -- COMFYUI_PATH or .carry/ComfyUI -- else the pack's standalone model):
+  stock         ComfyUI's forward, untouched (absent without ComfyUI)
+  pack-torch    the pack's block functions, stock op order, every op forced to torch
+  exact         fused op order, ops on 'auto' (Numba where it is measured faster), attention SDPA
+  exact+attn    as exact, attention on 'auto' too (bf16 Numba flash attention if it wins)
+  fast          as exact, 8-bit Numba attention
+  ...+graph     the same forward captured once as a CUDA graph and replayed (no launch gaps)
+Timing: CUDA events around one forward (= one sampling step), warm-up, median of repeats.
+Accuracy: relative error of one forward against an fp32 reference on the same (bf16-rounded)
+weights with TF32 off; optional N-step Euler trajectory PSNR against the fp32 trajectory.
+Prints a table last and writes JSON.
+"""
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--res", type=int, default=1024)
+    p.add_argument("--txt", type=int, default=512, help="text tokens")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--model", help="FLUX.1 .safetensors (default: random weights of --config)")
+    p.add_argument("--config", default="flux1-dev", choices=["flux1-dev", "tiny"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--variants", default="stock,pack-torch,exact,exact+graph,exact+attn,fast,fast+graph")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference (saves memory/time)")
+    p.add_argument("--trajectory", type=int, default=0, help="also run an N-step Euler trajectory (PSNR vs fp32)")
+    p.add_argument("--no-comfy", action="store_true", help="use the standalone model even if ComfyUI is importable")
+    p.add_argument("--autotune", action="store_true", default=True)
+    p.add_argument("--json", default=os.path.join(ROOT, "out", "bench.json"))
+    return p.parse_args()
+
+
+def find_comfy():
+    for c in (os.environ.get("COMFYUI_PATH"), os.path.join(ROOT, ".carry", "gpu", "ComfyUI"), os.path.join(ROOT, ".carry", "ComfyUI")):
+        if c and os.path.isfile(os.path.join(c, "comfy", "ldm", "flux", "model.py")):
+            return c
+    return None
+
+
+def main():
+    a = parse()
+    sys.path.insert(0, ROOT)
+    import _pack
+    _pack.load()
+    import torch
+    from flux_numba_pack.cuda_kernels import registry, runtime
+    from flux_numba_pack.flux_core import (BlockContext, FluxModel, FLUX1_DEV, TINY, double_block, single_block,
+                                           euler_sample, flux_schedule, inspect_checkpoint, load_state_dict)
+    from flux_numba_pack.flux_core.harness import median_ms, med, pick_device, psnr, rel_err
+
+    dev = pick_device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cfg = inspect_checkpoint(a.model) if a.model else (FLUX1_DEV if a.config == "flux1-dev" else TINY)
+    comfy_root = None if a.no_comfy else find_comfy()
+    info = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+            "res": a.res, "txt": a.txt, "batch": a.batch, "dtype": str(dtype), "model": a.model or f"random {a.config}",
+            "numba": runtime.numba_status() or "ok", "comfyui": comfy_root or "not found"}
+    print("bench:", json.dumps(info))
+
+    # ---------------------------------------------------------------- model (one set of weights)
+    t0 = time.time()
+    if comfy_root:
+        sys.path.insert(0, comfy_root)
+        if dev.type == "cpu":
+            import comfy.cli_args
+            comfy.cli_args.args.cpu = True  # as `main.py --cpu`
+        import comfy.ops
+        from comfy.ldm.flux.model import Flux
+        with torch.device(dev):
+            model = Flux(dtype=dtype, device=dev, operations=comfy.ops.disable_weight_init, **cfg.comfy_kwargs())
+        info["comfy_kitchen"] = _has_kitchen()
+    else:
+        with torch.device("meta"):
+            model = FluxModel(cfg)
+        model = model.to_empty(device=dev).to(dtype)
+    model.eval().requires_grad_(False)
+    with torch.no_grad():
+        if a.model:
+            sd = load_state_dict(a.model)
+            missing = model.load_state_dict({k: v.to(dtype) for k, v in sd.items() if not k.endswith("scale_weight")}, strict=False)
+            del sd
+        else:
+            g = torch.Generator(device=dev).manual_seed(0)
+            for n, w in model.named_parameters():  # the weights of ../shared probe/stock_flux.py
+                if w.ndim == 1:
+                    w.fill_(1.0) if "scale" in n else w.normal_(0, 0.01, generator=g)
+                else:
+                    w.normal_(0, 0.02, generator=g)
+    print(f"model ready in {time.time() - t0:.1f}s ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params)")
+
+    lat = a.res // 8
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(a.batch, cfg.in_channels, lat, lat, generator=g).to(dev, dtype)
+    ctx_t = torch.randn(a.batch, a.txt, cfg.context_in_dim, generator=g).to(dev, dtype)
+    y = torch.randn(a.batch, cfg.vec_in_dim, generator=g).to(dev, dtype)
+    t = torch.full((a.batch,), 0.5, device=dev)
+    gd = torch.full((a.batch,), 3.5, device=dev)
+
+    # ---------------------------------------------------------------- forward functions
+    def blocks_replace(bctx):
+        dm = model
+        rep = {}
+        for i in range(len(dm.double_blocks)):
+            def fd(args, extra, blk=dm.double_blocks[i]):
+                img, txt = double_block(blk, args["img"], args["txt"], args["vec"], args["pe"], args.get("attn_mask"), bctx)
+                return {"img": img, "txt": txt}
+            rep[("double_block", i)] = fd
+        for i in range(len(dm.single_blocks)):
+            def fs(args, extra, blk=dm.single_blocks[i]):
+                return {"img": single_block(blk, args["img"], args["vec"], args["pe"], args.get("attn_mask"), bctx)}
+            rep[("single_block", i)] = fs
+        return {"dit": rep}
+
+    def forward_fn(variant, m=None, xx=None):
+        m = m or model
+        if variant.endswith("+graph"):
+            from flux_numba_pack.flux_core.graphs import GraphedForward, graph_blockers
+            why = graph_blockers(model, dev)
+            if why:
+                raise RuntimeError("cannot capture: " + "; ".join(why))
+            eager = forward_fn(variant[: -len("+graph")])
+            gf = GraphedForward(lambda xin, tin: eager(xin, tin), module=model)
+            return lambda xin=None, tin=None: gf(x if xin is None else xin, t if tin is None else tin)
+        policy = {"stock": None, "pack-torch": {"*": "torch"}, "exact": {"*": "auto", "attention": "torch"},
+                  "exact+attn": {"*": "auto", "attention": "auto"}, "fast": {"*": "auto", "attention": "numba-8bit"}}[variant]
+        fused = variant not in ("stock", "pack-torch")
+        bctx = BlockContext(fused=fused)
+
+        def fn(xin=None, tin=None):
+            xin = x if xin is None else xin
+            tin = t if tin is None else tin
+            with torch.no_grad():
+                if comfy_root and m is model:
+                    topt = {} if policy is None else {"patches_replace": blocks_replace(bctx)}
+                    if policy is None:
+                        return m(xin, tin, ctx_t, y=y, guidance=gd, transformer_options=topt)
+                    with registry.force(**policy):
+                        return m(xin, tin, ctx_t, y=y, guidance=gd, transformer_options=topt)
+                with registry.force(**(policy or {"*": "torch"})):
+                    return m(xin, tin, ctx_t, y, gd, bctx if policy else BlockContext(fused=False), dtype=xin.dtype)
+        return fn
+
+    variants = [v for v in a.variants.split(",") if v and not (v == "stock" and not comfy_root)]
+
+    # ---------------------------------------------------------------- fp32 reference
+    ref_out, ref_traj = None, None
+    steps = flux_schedule(a.trajectory, lat * lat // 4) if a.trajectory else None
+    if not a.no_ref:
+        t0 = time.time()
+        sd32 = {k: v.float() for k, v in model.state_dict().items()}
+        ref = FluxModel.from_state_dict(sd32, device=dev, cfg=cfg)
+        del sd32
+        rf = lambda xin=None, tin=None: _ref_call(ref, x if xin is None else xin, t if tin is None else tin, ctx_t, y, gd, registry, BlockContext)
+        with torch.no_grad():
+            ref_out = rf(x.float()).float()
+            if a.trajectory:
+                ref_traj = euler_sample(lambda xx, tt: rf(xx, tt), x.float(), steps)
+        del ref
+        gc.collect()
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        print(f"fp32 reference in {time.time() - t0:.1f}s")
+
+    # ---------------------------------------------------------------- time each variant
+    registry.autotune = a.autotune
+    results = {}
+    for v in variants:
+        fn = forward_fn(v)
+        try:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.time()
+            out = fn()
+            first = time.time() - t0
+            registry.take_usage()
+            times = median_ms(fn, dev, warmup=a.warmup, reps=a.reps)
+            used = registry.take_usage()
+            r = {"ms": med(times), "times": times, "first_call_s": first,
+                 "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else None,
+                 "backends": {op: sorted(b) for op, b in used.items()}}
+            if ref_out is not None:
+                r["rel_err"] = rel_err(ref_out, out.float())
+            if ref_traj is not None:
+                traj = euler_sample(lambda xx, tt: fn(xx, tt), x, steps)
+                r["traj_psnr_db"] = psnr(ref_traj, traj.float())
+            results[v] = r
+            print(f"{v}: {r['ms']:.2f} ms  " + json.dumps({k: r[k] for k in r if k not in ('times',)}))
+        except Exception as e:  # report and go on
+            import traceback
+            traceback.print_exc()
+            results[v] = {"error": f"{type(e).__name__}: {e}"}
+        del fn
+        gc.collect()
+
+    base = results.get("stock", results.get("pack-torch", {})).get("ms")
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump({"info": info, "results": results}, f, indent=1)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], os.path.basename(a.json)), "w") as f:
+            json.dump({"info": info, "results": results}, f, indent=1)
+    print(f"\nFLUX {a.config if not a.model else a.model} {a.res}x{a.res} txt {a.txt} batch {a.batch} on {info['device']}")
+    print(f"{'variant':<12} {'ms/step':>9} {'vs stock':>9} {'peak GB':>8} {'rel err':>8} {'traj dB':>8}")
+    for v, r in results.items():
+        if "error" in r:
+            print(f"{v:<12} ERROR {r['error'][:80]}")
+            continue
+        ratio = f"{base / r['ms']:.3f}x" if base else "-"
+        pk = f"{r['peak_gb']:.1f}" if r.get("peak_gb") else "-"
+        re_ = f"{100 * r['rel_err']:.2f}%" if "rel_err" in r else "-"
+        tr = f"{r['traj_psnr_db']:.1f}" if "traj_psnr_db" in r else "-"
+        print(f"{v:<12} {r['ms']:>9.2f} {ratio:>9} {pk:>8} {re_:>8} {tr:>8}")
+
+
+def _ref_call(ref, x, t, ctx, y, g, registry, BlockContext):
+    with registry.force("torch"):
+        return ref(x.float(), t, ctx.float(), y.float(), g, BlockContext(fused=False), dtype=__import__("torch").float32)
+
+
+def _has_kitchen():
+    try:
+        import comfy.quant_ops  # noqa: F401
+        return bool(getattr(comfy.quant_ops, "ck", None))
+    except Exception:
+        return False
+
+
+if __name__ == "__main__":
+    main()

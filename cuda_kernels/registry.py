@@ -1,0 +1,236 @@
+"""Op registry: one named op, a plain torch reference, and optional faster backends.
+
+Modelled on comfy-kitchen's registry: every op has an eager torch ``reference`` that is
+always correct and always available; other backends (``numba``) declare a ``check`` that
+says *why* they cannot take a given call (device, dtype, shape, missing numba, ...).
+
+Dispatch for a call, in order:
+  1. a forced backend (``force(...)`` context / ``set_policy``) -- used by tests, A/B timing
+     and the ComfyUI patch's "backend" option.  If it cannot run this call the registry logs
+     the reason and falls back to the reference (or raises when ``strict``).
+  2. ``auto``: the highest-priority backend whose check passes, unless a measurement for this
+     shape says the reference is faster (``autotune``: each candidate is timed once per
+     shape key with CUDA events; in-place args are cloned for the trial).
+  3. the reference.
+
+Every decision is logged once per (op, backend, reason) at INFO, and counted in ``usage``
+so the step timer can report what ran.  No ComfyUI imports here.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Sequence
+
+log = logging.getLogger("flux_numba")
+
+REFERENCE = "torch"
+
+
+@dataclass
+class Backend:
+    name: str
+    fn: Callable
+    check: Optional[Callable] = None  # (*args, **kw) -> None if OK, else reason string
+    priority: int = 0
+
+
+@dataclass
+class Op:
+    name: str
+    reference: Callable
+    doc: str = ""
+    mutates: Sequence[int] = ()  # positional args written in place (cloned when autotuning)
+    backends: Dict[str, Backend] = field(default_factory=dict)
+
+    def candidates(self):
+        return sorted((b for b in self.backends.values() if b.name != REFERENCE),
+                      key=lambda b: -b.priority)
+
+
+class OpRegistry:
+    def __init__(self):
+        self.ops: Dict[str, Op] = {}
+        self._local = threading.local()
+        self._policy: Dict[str, str] = {}  # op name or "*" -> backend name or "auto"
+        self.strict = False
+        self.autotune = False
+        self._tuned: Dict[tuple, str] = {}
+        self._logged = set()
+        self.usage: Counter = Counter()  # (op, backend) -> calls
+        self.last: Dict[str, str] = {}  # op -> backend of the last call
+        self.fallbacks: Counter = Counter()  # (op, backend, reason) -> times a forced/auto choice fell back
+
+    # ------------------------------------------------------------------ registration
+    def register(self, name: str, reference: Callable, doc: str = "", mutates: Sequence[int] = ()) -> Op:
+        if name in self.ops:
+            op = self.ops[name]
+            op.reference, op.doc, op.mutates = reference, doc or op.doc, tuple(mutates)
+        else:
+            op = self.ops[name] = Op(name, reference, doc, tuple(mutates))
+        op.backends[REFERENCE] = Backend(REFERENCE, reference, None, -1000)
+        return op
+
+    def register_backend(self, op_name: str, backend: str, fn: Callable, check: Optional[Callable] = None,
+                         priority: int = 10):
+        if op_name not in self.ops:
+            raise KeyError(f"register the op {op_name!r} (with its torch reference) before a backend")
+        self.ops[op_name].backends[backend] = Backend(backend, fn, check, priority)
+
+    def backends(self, op_name: str):
+        return list(self.ops[op_name].backends)
+
+    # ------------------------------------------------------------------ policy
+    def _stack(self):
+        s = getattr(self._local, "stack", None)
+        if s is None:
+            s = self._local.stack = []
+        return s
+
+    def set_policy(self, policy: Dict[str, str]):
+        """Process-wide policy, e.g. {"*": "auto"} or {"attention": "torch"}."""
+        self._policy = dict(policy)
+
+    @contextlib.contextmanager
+    def force(self, backend: str = None, ops: Optional[Sequence[str]] = None, **per_op: str):
+        """Force ``backend`` for ``ops`` (all ops when None), or per op via keywords."""
+        pol = {}
+        if backend is not None:
+            for o in (ops if ops is not None else ["*"]):
+                pol[o] = backend
+        pol.update(per_op)
+        self._stack().append(pol)
+        try:
+            yield
+        finally:
+            self._stack().pop()
+
+    def requested(self, op_name: str) -> str:
+        for pol in reversed(self._stack()):
+            if op_name in pol:
+                return pol[op_name]
+            if "*" in pol:
+                return pol["*"]
+        return self._policy.get(op_name, self._policy.get("*", "auto"))
+
+    # ------------------------------------------------------------------ dispatch
+    def _note(self, op, backend, why, level=logging.INFO):
+        key = (op, backend, why)
+        if key not in self._logged:
+            self._logged.add(key)
+            log.log(level, "[flux_numba] op %s -> %s (%s)", op, backend, why)
+
+    @staticmethod
+    def _check(b: Backend, args, kwargs) -> Optional[str]:
+        if b.check is None:
+            return None
+        try:
+            return b.check(*args, **kwargs)
+        except Exception as e:  # a broken check must never crash the caller
+            return f"check raised {type(e).__name__}: {e}"
+
+    def choose(self, op_name: str, *args, **kwargs) -> Backend:
+        op = self.ops[op_name]
+        want = self.requested(op_name)
+        if want not in ("auto", REFERENCE):
+            b = op.backends.get(want)
+            why = None if b is not None else f"backend {want!r} not registered for {op_name}"
+            if b is not None:
+                why = self._check(b, args, kwargs)
+            if why is None:
+                self._note(op_name, want, "forced")
+                return b
+            if self.strict:
+                raise RuntimeError(f"forced backend {want!r} cannot run {op_name}: {why}")
+            self.fallbacks[(op_name, want, why)] += 1
+            self._note(op_name, REFERENCE, f"forced {want} unavailable: {why}", logging.WARNING)
+            return op.backends[REFERENCE]
+        if want == REFERENCE:
+            self._note(op_name, REFERENCE, "forced")
+            return op.backends[REFERENCE]
+        # auto
+        ok = []
+        for b in op.candidates():
+            why = self._check(b, args, kwargs)
+            if why is None:
+                ok.append(b)
+            else:
+                self._note(op_name, REFERENCE if not ok else ok[0].name, f"{b.name} skipped: {why}")
+        if not ok:
+            return op.backends[REFERENCE]
+        if self.autotune:
+            return self._tuned_choice(op, ok + [op.backends[REFERENCE]], args, kwargs)
+        self._note(op_name, ok[0].name, "auto: highest priority backend that accepts these inputs")
+        return ok[0]
+
+    def call(self, op_name: str, *args, **kwargs):
+        b = self.choose(op_name, *args, **kwargs)
+        self.usage[(op_name, b.name)] += 1
+        self.last[op_name] = b.name
+        return b.fn(*args, **kwargs)
+
+    __call__ = call
+
+    # ------------------------------------------------------------------ autotune
+    @staticmethod
+    def shape_key(args, kwargs):
+        def sig(a):
+            if hasattr(a, "shape") and hasattr(a, "dtype"):
+                return (tuple(a.shape), str(a.dtype), str(getattr(a, "device", "")), tuple(a.stride()) if hasattr(a, "stride") else ())
+            if isinstance(a, (list, tuple)):
+                return tuple(sig(x) for x in a)
+            if isinstance(a, (int, float, str, bool, type(None))):
+                return a
+            return type(a).__name__
+        return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
+
+    def _tuned_choice(self, op: Op, cands, args, kwargs) -> Backend:
+        key = (op.name, tuple(b.name for b in cands), self.shape_key(args, kwargs))
+        name = self._tuned.get(key)
+        if name is None:
+            import torch
+            on_cuda = any(getattr(a, "is_cuda", False) for a in args)
+            if not on_cuda or torch.cuda.is_current_stream_capturing():
+                return cands[0]
+            times = {b.name: self._time(op, b, args, kwargs) for b in cands}
+            name = min(times, key=times.get)
+            self._tuned[key] = name
+            self._note(op.name, name, "autotune: " + ", ".join(f"{k} {v*1e3:.1f}us" for k, v in times.items()))
+        return op.backends[name]
+
+    @staticmethod
+    def _time(op: Op, b: Backend, args, kwargs, reps: int = 5) -> float:
+        import torch
+
+        def fresh():
+            return [a.clone() if i in op.mutates else a for i, a in enumerate(args)]
+        try:
+            b.fn(*fresh(), **kwargs)  # warm-up / JIT
+            ts = []
+            for _ in range(reps):
+                a = fresh()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                b.fn(*a, **kwargs)
+                e.record()
+                e.synchronize()
+                ts.append(s.elapsed_time(e))
+            return sorted(ts)[len(ts) // 2]
+        except Exception as ex:  # a failing candidate is simply not chosen
+            log.warning("[flux_numba] autotune: %s/%s failed: %s", op.name, b.name, ex)
+            return float("inf")
+
+    # ------------------------------------------------------------------ reporting
+    def take_usage(self) -> Dict[str, Dict[str, int]]:
+        """Return and reset {op: {backend: calls}} since the last call."""
+        out: Dict[str, Dict[str, int]] = {}
+        for (o, b), n in self.usage.items():
+            out.setdefault(o, {})[b] = n
+        self.usage.clear()
+        return out
+
+
+registry = OpRegistry()

@@ -1,0 +1,148 @@
+"""FLUX blocks as functions over block modules, dispatched through the op registry.
+
+The same functions run on ComfyUI's own ``DoubleStreamBlock`` / ``SingleStreamBlock`` modules
+and on this pack's standalone modules (``flux_core.model``): both have the same attribute
+paths (``img_mod.lin``, ``img_attn.qkv``, ``img_attn.norm.query_norm.scale``, ``img_mlp[0]``...).
+Linear layers are *called as modules*, so ComfyUI's weight casting, LoRA patches and low-VRAM
+offloading stay in charge of the weights.
+
+Two paths with one math:
+  * ``stock``: ComfyUI's order of operations op by op (every op through the registry, so forcing
+    the ``torch`` backend reproduces stock ComfyUI),
+  * ``fused``: the fused ops (LN+modulate, q/k norm+RoPE into the attention layout, gated
+    residual + next LN+modulate, GELU written into linear2's input buffer).
+Which backend runs inside each op is the registry's business (auto / forced).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..cuda_kernels import registry
+
+
+@dataclass
+class BlockContext:
+    """Per-forward settings shared by all blocks.
+
+    fused: use the fused op sequence (else stock ComfyUI order).
+    attention: optional callable ``(q, k, v, mask, out) -> [B, L, H*D]`` replacing the
+        registry's attention op (the ComfyUI patch passes ComfyUI's own optimized_attention
+        when attention is not routed through the pack).
+    eps: norm epsilon (FLUX: 1e-6).
+    """
+    fused: bool = True
+    attention: Optional[Callable] = None
+    eps: float = 1e-6
+    silu_cache: dict = field(default_factory=dict)
+
+    def attn(self, q, k, v, mask, out=None):
+        if self.attention is not None:
+            o = self.attention(q, k, v, mask)
+            if out is not None:
+                out.copy_(o)
+                return out
+            return o
+        return registry.call("attention", q, k, v, mask, out=out)
+
+    def silu(self, vec):
+        """SiLU(vec) computed once per forward (vec is shared by every block of a step)."""
+        key = (vec.data_ptr(), vec._version, tuple(vec.shape), vec.dtype)
+        hit = self.silu_cache.get(key)
+        if hit is None:
+            self.silu_cache.clear()
+            hit = self.silu_cache[key] = F.silu(vec if vec.ndim == 3 else vec[:, None, :])
+        return hit
+
+
+def modulation(mod, silu_vec):
+    """``Modulation.forward`` with SiLU(vec) precomputed: chunks of lin(silu(vec))."""
+    return mod.lin(silu_vec).chunk(mod.multiplier, dim=-1)
+
+
+def _norm_scales(attn):
+    return attn.norm.query_norm.scale, attn.norm.key_norm.scale
+
+
+def _check_block_inputs(x, name):
+    if x.ndim != 3:
+        raise ValueError(f"{name} must be [B, L, C], got shape {tuple(x.shape)}")
+
+
+def double_block(blk, img, txt, vec, pe, mask=None, ctx: Optional[BlockContext] = None):
+    """One FLUX double-stream block. Returns (img, txt); updates img/txt in place like stock."""
+    ctx = ctx or BlockContext()
+    _check_block_inputs(img, "img")
+    _check_block_inputs(txt, "txt")
+    H = blk.num_heads
+    sv = ctx.silu(vec)
+    i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = modulation(blk.img_mod, sv)
+    t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = modulation(blk.txt_mod, sv)
+    eps = ctx.eps
+    Lt = txt.shape[1]
+
+    img_qkv = blk.img_attn.qkv(registry.call("ln_modulate", img, i_sh1, i_sc1, eps))
+    txt_qkv = blk.txt_attn.qkv(registry.call("ln_modulate", txt, t_sh1, t_sc1, eps))
+    q, k, v = registry.call("qk_norm_rope", [(txt_qkv, *_norm_scales(blk.txt_attn)),
+                                             (img_qkv, *_norm_scales(blk.img_attn))], pe, H, eps)
+    del img_qkv, txt_qkv
+    attn = ctx.attn(q, k, v, mask)
+    del q, k, v
+    txt_attn, img_attn = attn[:, :Lt], attn[:, Lt:]
+
+    if ctx.fused:
+        h = registry.call("gated_residual_ln_modulate", img, i_g1, blk.img_attn.proj(img_attn), i_sh2, i_sc2, eps)
+        registry.call("gated_residual", img, i_g2, _mlp(blk.img_mlp, h))
+        h = registry.call("gated_residual_ln_modulate", txt, t_g1, blk.txt_attn.proj(txt_attn), t_sh2, t_sc2, eps)
+        registry.call("gated_residual", txt, t_g2, _mlp(blk.txt_mlp, h))
+    else:
+        registry.call("gated_residual", img, i_g1, blk.img_attn.proj(img_attn))
+        registry.call("gated_residual", img, i_g2, _mlp(blk.img_mlp, registry.call("ln_modulate", img, i_sh2, i_sc2, eps)))
+        registry.call("gated_residual", txt, t_g1, blk.txt_attn.proj(txt_attn))
+        registry.call("gated_residual", txt, t_g2, _mlp(blk.txt_mlp, registry.call("ln_modulate", txt, t_sh2, t_sc2, eps)))
+    if txt.dtype == torch.float16:
+        txt = torch.nan_to_num(txt, nan=0.0, posinf=65504, neginf=-65504)
+    return img, txt
+
+
+def _mlp(mlp, x):
+    """Linear -> GELU(tanh) -> Linear, the GELU through the registry."""
+    return mlp[2](registry.call("gelu_tanh", mlp[0](x)))
+
+
+def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None):
+    """One FLUX single-stream block. Returns x (updated in place like stock)."""
+    ctx = ctx or BlockContext()
+    _check_block_inputs(x, "x")
+    H = blk.num_heads
+    C = blk.hidden_size
+    M = blk.mlp_hidden_dim
+    sv = ctx.silu(vec)
+    sh, sc, g = modulation(blk.modulation, sv)
+    eps = ctx.eps
+    lin1 = blk.linear1(registry.call("ln_modulate", x, sh, sc, eps))
+    qkv, mlp = lin1[..., :3 * C], lin1[..., 3 * C:]
+    q, k, v = registry.call("qk_norm_rope", [(qkv, *_norm_scales_single(blk))], pe, H, eps)
+    if ctx.fused:
+        B, L, _ = x.shape
+        buf = torch.empty((B, L, C + M), dtype=lin1.dtype, device=lin1.device)
+        ctx.attn(q, k, v, mask, out=buf[..., :C])
+        del q, k, v
+        registry.call("gelu_tanh", mlp, out=buf[..., C:])
+        del lin1, qkv, mlp
+        out = blk.linear2(buf)
+    else:
+        attn = ctx.attn(q, k, v, mask)
+        del q, k, v
+        out = blk.linear2(torch.cat((attn, registry.call("gelu_tanh", mlp)), 2))
+    registry.call("gated_residual", x, g, out)
+    if x.dtype == torch.float16:
+        x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
+    return x
+
+
+def _norm_scales_single(blk):
+    return blk.norm.query_norm.scale, blk.norm.key_norm.scale

@@ -1,0 +1,112 @@
+"""Whole-forward CUDA graphs: capture once per input signature, replay every step.
+
+Numba launches cost 16-35 us of Python each and a FLUX step has ~600 small kernels; replaying a
+captured graph removes that host work and the launch gaps between kernels.  Every Numba launch
+goes to torch's current stream (``runtime.stream()``), so it is captured with the torch ops.
+
+Safe only when nothing in the forward changes address or needs the host between steps:
+``graph_blockers(module)`` lists the reasons not to capture (weights off the GPU, weights cast
+per call by ComfyUI's low-VRAM path, ...); callers fall back to eager execution and log why.
+Weights patched *in place* (ComfyUI applies LoRA that way) keep their addresses, so replays see
+them; a change of weight storage (``data_ptr``) invalidates the graph and it is re-captured.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..cuda_kernels import registry
+
+log = logging.getLogger("flux_numba")
+
+
+def graph_blockers(module: torch.nn.Module, device: torch.device) -> List[str]:
+    why = []
+    if device.type != "cuda":
+        return ["not a CUDA device"]
+    off = [n for n, p in module.named_parameters() if p.device != device]
+    if off:
+        why.append(f"{len(off)} weights not on {device} (offloaded), e.g. {off[0]}")
+    cast = [n for n, m in module.named_modules() if getattr(m, "comfy_cast_weights", False)]
+    if cast:
+        why.append(f"{len(cast)} layers cast their weights per call (low-VRAM / manual cast), e.g. {cast[0]}")
+    if torch.cuda.is_current_stream_capturing():
+        why.append("already inside a capture")
+    return why
+
+
+def _sig(x):
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.dtype, x.device)
+    if isinstance(x, (list, tuple)):
+        return tuple(_sig(v) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _sig(v)) for k, v in sorted(x.items()))
+    return ("V", x)
+
+
+class _Entry:
+    def __init__(self, graph, static_in, static_out, weights_key, usage):
+        self.graph, self.static_in, self.static_out, self.weights_key = graph, static_in, static_out, weights_key
+        self.usage = usage  # registry calls made by one forward, re-counted on every replay
+
+
+class GraphedForward:
+    """``gf(*tensors)`` runs ``fn(*tensors)`` through a CUDA graph captured for that signature.
+
+    ``fn`` must take only tensors (positional) and return one tensor.  The returned tensor is a
+    fresh copy (the static output buffer is reused by the next replay).
+    """
+
+    def __init__(self, fn: Callable, module: Optional[torch.nn.Module] = None, warmup: int = 2, max_graphs: int = 4):
+        self.fn, self.module, self.warmup, self.max_graphs = fn, module, warmup, max_graphs
+        self.graphs: Dict[tuple, _Entry] = {}
+        self.pool = None
+        self.captures = 0
+        self.replays = 0
+
+    def _weights_key(self):
+        if self.module is None:
+            return None
+        return tuple(p.data_ptr() for p in self.module.parameters())
+
+    def __call__(self, *xs: torch.Tensor) -> torch.Tensor:
+        key = _sig(xs)
+        wk = self._weights_key()
+        e = self.graphs.get(key)
+        if e is not None and e.weights_key != wk:
+            log.info("[flux_numba] weights moved since capture: re-capturing the CUDA graph")
+            self.graphs.pop(key)
+            e = None
+        if e is None:
+            if len(self.graphs) >= self.max_graphs:
+                self.graphs.pop(next(iter(self.graphs)))
+            e = self.graphs[key] = self._capture(xs, wk)
+        for s, x in zip(e.static_in, xs):
+            s.copy_(x)
+        e.graph.replay()
+        registry.usage.update(e.usage)
+        self.replays += 1
+        return e.static_out.clone()
+
+    def _capture(self, xs, wk) -> _Entry:
+        static_in = [x.clone() for x in xs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):  # JIT, autotune and allocator warm-up outside the capture
+                self.fn(*static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        before = registry.usage.copy()
+        with torch.cuda.graph(g, pool=self.pool):
+            static_out = self.fn(*static_in)
+        usage = registry.usage.copy()
+        usage.subtract(before)
+        self.captures += 1
+        log.info("[flux_numba] captured a CUDA graph for input shapes %s", [tuple(x.shape) for x in xs])
+        return _Entry(g, static_in, static_out, wk, +usage)

@@ -1,0 +1,78 @@
+"""Shared pieces of the CLI and the benchmark: device/dtype choice, timing, agreement metrics."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, List
+
+import torch
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(name)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda asked for, but torch sees no CUDA GPU")
+    return d
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+class StepTimer:
+    """Wall time of one step: CUDA events on a GPU, perf_counter (after the work) on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.s, self.e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.s.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.e.record()
+            self.e.synchronize()
+            self.ms = self.s.elapsed_time(self.e)
+        else:
+            self.ms = (time.perf_counter() - self.t0) * 1e3
+
+
+def median_ms(fn: Callable, device: torch.device, warmup: int = 2, reps: int = 5) -> List[float]:
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        with StepTimer(device) as t:
+            fn()
+        out.append(t.ms)
+    return out
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR of b against a, peak = a's dynamic range (max - min)."""
+    a, b = a.double(), b.double()
+    mse = torch.mean((a - b) ** 2).item()
+    rng = (a.max() - a.min()).item()
+    if mse == 0:
+        return float("inf")
+    return 10 * __import__("math").log10(rng * rng / mse)
+
+
+def rel_err(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.double(), x.double()
+    return ((x - ref).norm() / ref.norm()).item()

@@ -1,0 +1,23 @@
+"""Test setup: load the pack as ``flux_numba_pack``; use the Numba CUDA simulator when there is no GPU.
+
+FLUX_NUMBA_REAL_GPU=1 runs the kernel tests on a real GPU instead of the simulator.
+"""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _has_gpu():
+    if os.environ.get("FLUX_NUMBA_REAL_GPU") == "1":
+        return True
+    return False
+
+
+if not _has_gpu():
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+sys.path.insert(0, ROOT)
+import _pack  # noqa: E402
+
+_pack.load()

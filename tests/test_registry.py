@@ -1,0 +1,77 @@
+"""Registry dispatch: forcing, fallback with a logged reason, strict mode, usage counts."""
+import logging
+
+import pytest
+import torch
+
+from flux_numba_pack.cuda_kernels.registry import OpRegistry
+
+
+def make():
+    r = OpRegistry()
+    r.register("double", lambda x: x * 2)
+    r.register_backend("double", "fast", lambda x: x + x + 0 * x, check=lambda x: None if x.dtype == torch.float32 else "fp32 only")
+    r.register_backend("double", "broken", lambda x: x, check=lambda x: "never available", priority=20)
+    return r
+
+
+def test_auto_picks_highest_priority_that_accepts():
+    r = make()
+    x = torch.ones(3)
+    assert torch.equal(r.call("double", x), 2 * x)
+    assert r.last["double"] == "fast"
+    assert r.last["double"] == r.choose("double", x).name
+    r.call("double", x.half())
+    assert r.last["double"] == "torch"
+
+
+def test_force_and_fallback_logged(caplog):
+    r = make()
+    with caplog.at_level(logging.INFO, logger="flux_numba"):
+        with r.force("torch"):
+            r.call("double", torch.ones(2))
+            assert r.last["double"] == "torch"
+        with r.force(double="fast"):
+            r.call("double", torch.ones(2, dtype=torch.float64))
+            assert r.last["double"] == "torch"
+    assert any("fp32 only" in m for m in caplog.messages)
+    assert r.fallbacks[("double", "fast", "fp32 only")] == 1
+
+
+def test_strict_raises_and_nested_force():
+    r = make()
+    r.strict = True
+    with r.force("fast"):
+        with pytest.raises(RuntimeError, match="fp32 only"):
+            r.call("double", torch.ones(2, dtype=torch.float64))
+        with r.force(double="torch"):
+            r.call("double", torch.ones(2))
+            assert r.last["double"] == "torch"
+        r.call("double", torch.ones(2))
+        assert r.last["double"] == "fast"
+
+
+def test_unknown_backend_and_usage():
+    r = make()
+    with r.force("nope"):
+        r.call("double", torch.ones(1))
+    assert r.last["double"] == "torch"
+    r.call("double", torch.ones(1))
+    assert r.take_usage() == {"double": {"torch": 1, "fast": 1}}
+    assert r.take_usage() == {}
+    with pytest.raises(KeyError):
+        r.register_backend("missing", "x", lambda: 0)
+
+
+def test_check_that_raises_is_a_reason_not_a_crash():
+    r = OpRegistry()
+    r.register("op", lambda x: x)
+    r.register_backend("op", "bad", lambda x: x, check=lambda x: 1 / 0)
+    r.call("op", 1)
+    assert r.last["op"] == "torch"
+
+
+def test_pack_registers_every_flux_op():
+    from flux_numba_pack.cuda_kernels import registry
+    for op in ("ln_modulate", "gated_residual", "gated_residual_ln_modulate", "qk_norm_rope", "gelu_tanh", "attention"):
+        assert op in registry.ops and "torch" in registry.backends(op)
