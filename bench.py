@@ -88,6 +88,9 @@ def main():
         with torch.device(dev):
             model = Flux(dtype=dtype, device=dev, operations=comfy.ops.disable_weight_init, **cfg.comfy_kwargs())
         info["comfy_kitchen"] = _has_kitchen()
+        import comfy.ldm.flux.math
+        from flux_numba_pack.cuda_kernels import qk_norm_rope
+        qk_norm_rope.set_stock_rope(comfy.ldm.flux.math.apply_rope)  # torch path = stock's RoPE
     else:
         with torch.device("meta"):
             model = FluxModel(cfg)
@@ -143,7 +146,7 @@ def main():
         policy = {"stock": None, "pack-torch": {"*": "torch"}, "exact": {"*": "auto", "attention": "torch"},
                   "exact+attn": {"*": "auto", "attention": "auto"}, "fast": {"*": "auto", "attention": "numba-8bit"}}[variant]
         fused = variant not in ("stock", "pack-torch")
-        bctx = BlockContext(fused=fused)
+        bctx = BlockContext(fused=fused, gemm_epilogue=fused)
 
         def fn(xin=None, tin=None):
             xin = x if xin is None else xin
@@ -170,10 +173,13 @@ def main():
         ref = FluxModel.from_state_dict(sd32, device=dev, cfg=cfg)
         del sd32
         rf = lambda xin=None, tin=None: _ref_call(ref, x if xin is None else xin, t if tin is None else tin, ctx_t, y, gd, registry, BlockContext)
+        from flux_numba_pack.cuda_kernels import qk_norm_rope
+        host_rope, qk_norm_rope._stock_rope = qk_norm_rope._stock_rope, None  # the reference: plain fp32 torch
         with torch.no_grad():
             ref_out = rf(x.float()).float()
             if a.trajectory:
                 ref_traj = euler_sample(lambda xx, tt: rf(xx, tt), x.float(), steps)
+        qk_norm_rope.set_stock_rope(host_rope)
         del ref
         gc.collect()
         torch.cuda.empty_cache() if dev.type == "cuda" else None

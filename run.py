@@ -32,6 +32,11 @@ def parse():
     p.add_argument("--attention", default="auto", help="auto | torch | numba | numba-8bit")
     p.add_argument("--simulator", action="store_true", help="run Numba kernels in the CUDA simulator (CPU)")
     p.add_argument("--out", default=os.path.join(ROOT, "out"), help="folder for the result")
+    p.add_argument("--write-model", metavar="PATH",
+                   help="write the embedded tiny model as a ComfyUI-layout .safetensors and exit")
+    p.add_argument("--comfy-min", action="store_true",
+                   help="with --write-model: the smallest checkpoint ComfyUI detects as FLUX "
+                        "(hidden 3072, 1 double + 1 single block, ~531 M params, ~1.06 GB bf16)")
     return p.parse_args()
 
 
@@ -50,10 +55,18 @@ def main():
                                            inspect_checkpoint, load_state_dict, tiny_state_dict)
     from flux_numba_pack.flux_core.harness import StepTimer, pick_device, pick_dtype, psnr, med
 
+    if a.write_model:
+        from flux_numba_pack.flux_core import comfy_min_state_dict, save_state_dict
+        sd = comfy_min_state_dict(seed=0) if a.comfy_min else tiny_state_dict(seed=0, dtype=torch.bfloat16)
+        save_state_dict(sd, a.write_model, prefix="model.diffusion_model.")
+        print(f"wrote {a.write_model}: {sum(v.numel() for v in sd.values()) / 1e6:.1f} M params, bf16")
+        return
     dev = pick_device(a.device)
     dtype = pick_dtype(a.dtype, dev)
     if a.simulator:
         dev = torch.device("cpu")
+        if a.dtype == "auto":
+            dtype = torch.bfloat16  # the kernels' dtype
     why = runtime.numba_status() or (None if (dev.type == "cuda" or runtime.SIMULATOR) else "no CUDA GPU")
     print(f"device {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}), dtype {dtype}")
     if why:

@@ -28,6 +28,8 @@ from ..cuda_kernels import registry
 class BlockContext:
     """Per-forward settings shared by all blocks.
 
+    gemm_epilogue: compute Linear+GELU as one op (``linear_gelu``; cuBLASLt bias+GELU epilogue)
+        when the layer's weights are plain tensors of the input's dtype and device.
     fused: use the fused op sequence (else stock ComfyUI order).
     attention: optional callable ``(q, k, v, mask, out) -> [B, L, H*D]`` replacing the
         registry's attention op (the ComfyUI patch passes ComfyUI's own optimized_attention
@@ -37,6 +39,7 @@ class BlockContext:
     fused: bool = True
     attention: Optional[Callable] = None
     eps: float = 1e-6
+    gemm_epilogue: bool = False  # fold GELU into the up-projection GEMM (op linear_gelu) where weights allow
     silu_cache: dict = field(default_factory=dict)
 
     def attn(self, q, k, v, mask, out=None):
@@ -56,6 +59,20 @@ class BlockContext:
             self.silu_cache.clear()
             hit = self.silu_cache[key] = F.silu(vec if vec.ndim == 3 else vec[:, None, :])
         return hit
+
+
+def plain_weights(lin, x):
+    """(weight, bias) of a Linear module usable directly on x, or None when the module must be
+    called instead (ComfyUI casts or patches its weights per call: low-VRAM offload, on-the-fly
+    LoRA functions, fp8/quantized storage, a per-tensor weight scale)."""
+    if getattr(lin, "comfy_cast_weights", False) or getattr(lin, "weight_function", None) \
+            or getattr(lin, "bias_function", None) or getattr(lin, "scale_weight", None) is not None:
+        return None
+    w, b = getattr(lin, "weight", None), getattr(lin, "bias", None)
+    for t in (w, b):
+        if t is not None and (type(t.data) is not torch.Tensor or t.dtype != x.dtype or t.device != x.device):
+            return None
+    return (w, b) if w is not None else None
 
 
 def modulation(mod, silu_vec):
@@ -95,9 +112,9 @@ def double_block(blk, img, txt, vec, pe, mask=None, ctx: Optional[BlockContext] 
 
     if ctx.fused:
         h = registry.call("gated_residual_ln_modulate", img, i_g1, blk.img_attn.proj(img_attn), i_sh2, i_sc2, eps)
-        registry.call("gated_residual", img, i_g2, _mlp(blk.img_mlp, h))
+        registry.call("gated_residual", img, i_g2, _mlp(blk.img_mlp, h, ctx))
         h = registry.call("gated_residual_ln_modulate", txt, t_g1, blk.txt_attn.proj(txt_attn), t_sh2, t_sc2, eps)
-        registry.call("gated_residual", txt, t_g2, _mlp(blk.txt_mlp, h))
+        registry.call("gated_residual", txt, t_g2, _mlp(blk.txt_mlp, h, ctx))
     else:
         registry.call("gated_residual", img, i_g1, blk.img_attn.proj(img_attn))
         registry.call("gated_residual", img, i_g2, _mlp(blk.img_mlp, registry.call("ln_modulate", img, i_sh2, i_sc2, eps)))
@@ -108,8 +125,11 @@ def double_block(blk, img, txt, vec, pe, mask=None, ctx: Optional[BlockContext] 
     return img, txt
 
 
-def _mlp(mlp, x):
-    """Linear -> GELU(tanh) -> Linear, the GELU through the registry."""
+def _mlp(mlp, x, ctx: Optional[BlockContext] = None):
+    """Linear -> GELU(tanh) -> Linear, the GELU through the registry (or in the GEMM epilogue)."""
+    pw = plain_weights(mlp[0], x) if ctx is not None and ctx.gemm_epilogue else None
+    if pw is not None:
+        return mlp[2](registry.call("linear_gelu", x, pw[0], pw[1]))
     return mlp[2](registry.call("gelu_tanh", mlp[0](x)))
 
 
@@ -123,7 +143,9 @@ def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None)
     sv = ctx.silu(vec)
     sh, sc, g = modulation(blk.modulation, sv)
     eps = ctx.eps
-    lin1 = blk.linear1(registry.call("ln_modulate", x, sh, sc, eps))
+    h = registry.call("ln_modulate", x, sh, sc, eps)
+    lin1 = blk.linear1(h)
+    del h
     qkv, mlp = lin1[..., :3 * C], lin1[..., 3 * C:]
     q, k, v = registry.call("qk_norm_rope", [(qkv, *_norm_scales_single(blk))], pe, H, eps)
     if ctx.fused:

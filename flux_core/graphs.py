@@ -26,6 +26,8 @@ def graph_blockers(module: torch.nn.Module, device: torch.device) -> List[str]:
     why = []
     if device.type != "cuda":
         return ["not a CUDA device"]
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     off = [n for n, p in module.named_parameters() if p.device != device]
     if off:
         why.append(f"{len(off)} weights not on {device} (offloaded), e.g. {off[0]}")

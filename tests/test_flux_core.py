@@ -241,3 +241,32 @@ def test_schedule_and_sampler():
 def test_random_state_dict_is_deterministic():
     a, b = random_state_dict(TINY, 5), random_state_dict(TINY, 5)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_gemm_epilogue_path_matches_reference():
+    """ctx.gemm_epilogue folds the double blocks' GELU into linear_gelu; same function."""
+    from flux_numba_pack.flux_core.blocks import plain_weights
+    sd = tiny_state_dict(seed=4)
+    m = FluxModel.from_state_dict(sd)
+    x, t, ctx, y, g = inputs(m.cfg)
+    with registry.force("torch"):
+        registry.take_usage()
+        out = m(x, t, ctx, y, g, BlockContext(fused=True, gemm_epilogue=True))
+        assert "linear_gelu" in registry.take_usage()
+    ref = ref_forward(sd, m.cfg, x, t, ctx, y, g)
+    assert ((out - ref).norm() / ref.norm()) < 5e-5
+    lin = m.single_blocks[0].linear1
+    assert plain_weights(lin, x.new_zeros(1, 128)) is not None
+    assert plain_weights(lin, x.new_zeros(1, 128).double()) is None  # dtype differs: call the module
+    lin.scale_weight = torch.tensor(1.0)
+    assert plain_weights(lin, x.new_zeros(1, 128)) is None  # scaled fp8 storage: call the module
+
+
+def test_linear_gelu_reference_and_backend_check():
+    from flux_numba_pack.cuda_kernels import linear_gelu
+    xx, w, b = torch.randn(2, 5, 16), torch.randn(24, 16), torch.randn(24)
+    buf = torch.full((2, 5, 40), float("nan"))
+    linear_gelu.reference(xx, w, b, out=buf[..., 16:])
+    assert torch.allclose(buf[..., 16:], F.gelu(F.linear(xx, w, b), approximate="tanh"))
+    assert torch.isnan(buf[..., :16]).all()
+    assert "CUDA" in linear_gelu.check(xx, w, b)
