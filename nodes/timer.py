@@ -1,0 +1,533 @@
+"""FluxNumbaStepTimer: per-step wall time, it/s and the backend of every registry op, live in the browser.
+
+How a step is measured
+----------------------
+The node clones the MODEL and adds two ComfyUI wrappers (``comfy.patcher_extension.WrappersMP``) to the
+clone, so nothing else in the model (``model_function_wrapper``, block patches, other wrappers) is touched:
+
+* ``OUTER_SAMPLE`` -- one sampler call = one *run* (run id, label, patch description, step count);
+* ``APPLY_MODEL`` -- one diffusion-model call = one *step* record ``{step, ms, backends, sigma, batch}``.
+  APPLY_MODEL exists for every ComfyUI model type (the DIFFUSION_MODEL wrapper only for some), so the same
+  node times FLUX and the tiny test UNet alike.
+
+On CUDA the time is taken with CUDA events on the current stream; a step's record is resolved without
+a device sync: at the start of the next step only the events that already completed are read
+(``Event.query()``), the rest at the end of the run (one synchronize).  On CPU: ``time.perf_counter``.
+
+``backends`` is the difference of ``registry.usage`` (the op registry's call counter) across the step:
+``{op: {backend: calls}}``; a stock model calls no registry op, so it is ``{}``.  The counter is only
+read, never reset, so ``registry.take_usage()`` users elsewhere are unaffected.
+
+Data
+----
+* Python: ``get_runs()``, ``get_run(run_id)``, ``last_run(node_id=None, label=None)``, ``clear_runs()``.
+* Browser: ``send_sync("flux_numba.run", {...phase: "start"|"end"})`` and ``send_sync("flux_numba.step", {...})``
+  keyed by the node's UNIQUE_ID, each step message carrying the running summary (mean/min/max/total
+  ms, it/s), so the web extension only draws.  ``set_sender(fn)`` replaces PromptServer (tests).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional
+
+log = logging.getLogger("flux_numba")
+
+EVENT_STEP = "flux_numba.step"
+EVENT_RUN = "flux_numba.run"
+WRAPPER_KEY = "flux_numba_step_timer"
+MAX_RUNS = 64  # runs kept in memory (oldest dropped)
+
+CATEGORIES = ("attention", "gemm", "fused", "other")
+
+_lock = threading.RLock()
+_runs: "OrderedDict[int, Run]" = OrderedDict()
+_ids = itertools.count(1)
+_sender: Optional[Callable[[str, dict], Any]] = None
+
+
+# ---------------------------------------------------------------------------------------------- sending
+def set_sender(fn: Optional[Callable[[str, dict], Any]]):
+    """Route messages to ``fn(event, data)`` instead of ComfyUI's PromptServer; None restores the server.
+
+    Returns the previous sender so tests can restore it."""
+    global _sender
+    prev, _sender = _sender, fn
+    return prev
+
+
+def _server_send(event: str, data: dict):
+    try:
+        from server import PromptServer  # ComfyUI's server module; absent outside ComfyUI
+        inst = PromptServer.instance
+    except Exception:
+        return
+    inst.send_sync(event, data, getattr(inst, "client_id", None))
+
+
+def send(event: str, data: dict):
+    fn = _sender or _server_send
+    try:
+        fn(event, data)
+    except Exception as e:  # never let the UI channel break sampling
+        log.debug("[flux_numba] timer: sending %s failed: %s", event, e)
+
+
+def jsonable(obj, depth: int = 0):
+    """A JSON-safe copy of ``obj`` (patch descriptions may hold tensors, enums, callables)."""
+    if depth > 6:
+        return str(obj)
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if obj == obj and abs(obj) != float("inf") else None
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [jsonable(v, depth + 1) for v in obj]
+    if hasattr(obj, "shape") and hasattr(obj, "dtype"):
+        return f"<tensor {tuple(obj.shape)} {obj.dtype}>"
+    try:
+        json.dumps(obj)
+        return obj
+    except Exception:
+        return str(obj)
+
+
+# ---------------------------------------------------------------------------------------------- runs
+def summarize(ms: List[float]) -> Dict[str, Optional[float]]:
+    """mean/min/max/total ms and it/s (1000 / mean) of a list of step times."""
+    if not ms:
+        return {"steps": 0, "mean_ms": None, "min_ms": None, "max_ms": None, "total_ms": 0.0, "its": None}
+    tot = float(sum(ms))
+    mean = tot / len(ms)
+    return {"steps": len(ms), "mean_ms": mean, "min_ms": float(min(ms)), "max_ms": float(max(ms)),
+            "total_ms": tot, "its": (1000.0 / mean) if mean > 0 else None}
+
+
+def merge_backends(records) -> Dict[str, Dict[str, int]]:
+    out: Dict[str, Dict[str, int]] = {}
+    for r in records:
+        for op, per in (r.get("backends") or {}).items():
+            d = out.setdefault(op, {})
+            for b, n in per.items():
+                d[b] = d.get(b, 0) + int(n)
+    return out
+
+
+class Run:
+    def __init__(self, node_id, label, patch=None, device="cpu", total_steps=None):
+        self.id = next(_ids)
+        self.node_id = None if node_id is None else str(node_id)
+        self.label = label
+        self.patch = patch
+        self.device = device
+        self.total_steps = total_steps
+        self.started = time.time()
+        self.ended: Optional[float] = None
+        self.steps: List[dict] = []
+        self.profile: Optional[dict] = None
+
+    @property
+    def done(self):
+        return self.ended is not None
+
+    def timed_ms(self) -> List[float]:
+        """Step times used for the summary: profiled steps are left out when others exist."""
+        plain = [r["ms"] for r in self.steps if not r.get("profiled")]
+        return plain if plain else [r["ms"] for r in self.steps]
+
+    def summary(self):
+        s = summarize(self.timed_ms())
+        s["recorded_steps"] = len(self.steps)
+        return s
+
+    def to_dict(self) -> dict:
+        return {"run": self.id, "node": self.node_id, "label": self.label, "patch": self.patch,
+                "device": self.device, "total_steps": self.total_steps, "started": self.started,
+                "ended": self.ended, "done": self.done, "steps": [dict(r) for r in self.steps],
+                "summary": self.summary(), "backends": merge_backends(self.steps), "profile": self.profile}
+
+
+def _store(run: Run):
+    with _lock:
+        _runs[run.id] = run
+        while len(_runs) > MAX_RUNS:
+            _runs.popitem(last=False)
+
+
+def get_runs() -> List[dict]:
+    """All kept runs, oldest first, as plain dicts."""
+    with _lock:
+        return [r.to_dict() for r in _runs.values()]
+
+
+def get_run(run_id: int) -> Optional[dict]:
+    with _lock:
+        r = _runs.get(int(run_id))
+        return r.to_dict() if r else None
+
+
+def last_run(node_id=None, label: Optional[str] = None) -> Optional[dict]:
+    """The newest run, optionally of one timer node (its UNIQUE_ID) and/or one label."""
+    with _lock:
+        for r in reversed(_runs.values()):
+            if node_id is not None and r.node_id != str(node_id):
+                continue
+            if label is not None and r.label != label:
+                continue
+            return r.to_dict()
+    return None
+
+
+def clear_runs():
+    with _lock:
+        _runs.clear()
+
+
+def select_runs(selection: str = "last") -> List[dict]:
+    """Runs chosen by a report selection string.
+
+    ``last``: the newest run of every label (so a stock-vs-patched workflow shows both);
+    ``all``: every kept run; ``run:<id>``; ``node:<id>``: newest run of that timer node;
+    anything else: the newest run with that label.  Several selections may be comma-separated."""
+    sel = (selection or "last").strip()
+    out: List[dict] = []
+    seen = set()
+
+    def add(r):
+        if r and r["run"] not in seen:
+            seen.add(r["run"])
+            out.append(r)
+
+    for part in [p.strip() for p in sel.split(",") if p.strip()] or ["last"]:
+        low = part.lower()
+        if low == "last":
+            with _lock:
+                newest: "OrderedDict[str, Run]" = OrderedDict()
+                for r in _runs.values():
+                    newest.pop(r.label, None)
+                    newest[r.label] = r
+                items = [r.to_dict() for r in newest.values()]
+            for d in items:
+                add(d)
+        elif low == "all":
+            for d in get_runs():
+                add(d)
+        elif low.startswith("run:"):
+            add(get_run(int(part[4:])))
+        elif low.startswith("node:"):
+            add(last_run(node_id=part[5:].strip()))
+        else:
+            add(last_run(label=part))
+    out.sort(key=lambda d: d["run"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- profiling
+_ATTN = ("attention", "flash", "fmha", "sdpa", "_efficient_attention", "cudnn_mha", "attn")
+_GEMM = ("gemm", "matmul", "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_addmm",
+         "cutlass", "nvjet", "xmma", "wgmma", "cublas", "sm90_", "sm80_", "ampere_", "hopper_")
+
+
+def _fused_names():
+    try:
+        from ..cuda_kernels.registry import registry
+        return tuple(n for n in registry.ops if n != "attention")
+    except Exception:
+        return ()
+
+
+def is_numba_kernel(name: str) -> bool:
+    n = name.lower()
+    return "cudapy" in n or "numba" in n  # Numba kernels are mangled as _ZN6cudapy<module><function>...
+
+
+def classify(name: str, fused_names=()) -> str:
+    """attention (torch's or the pack's Numba attention kernel) / gemm / fused (the pack's other Numba
+    kernels) / other."""
+    n = name.lower()
+    if any(a in n for a in _ATTN):
+        return "attention"
+    if is_numba_kernel(n) or any(f in n for f in fused_names):
+        return "fused"
+    if any(g in n for g in _GEMM):
+        return "gemm"
+    return "other"
+
+
+def split_from_profiler(prof, on_cuda: bool, wall_ms: float) -> dict:
+    """Per-category self time (ms) of one profiled step: device kernels on CUDA, aten ops on CPU."""
+    fused = _fused_names()
+    cats = {c: 0.0 for c in CATEGORIES}
+    numba_ms = 0.0
+    top: Dict[str, float] = {}
+    for ev in prof.key_averages():
+        dev = str(getattr(ev, "device_type", "")).upper()
+        if on_cuda:
+            if "CUDA" not in dev:
+                continue
+            us = getattr(ev, "self_device_time_total", None)
+            if us is None:
+                us = getattr(ev, "self_cuda_time_total", 0.0)
+        else:
+            if "CPU" not in dev:
+                continue
+            us = getattr(ev, "self_cpu_time_total", 0.0)
+        ms = float(us or 0.0) / 1000.0
+        if ms <= 0:
+            continue
+        cats[classify(ev.key, fused)] += ms
+        if is_numba_kernel(ev.key):
+            numba_ms += ms
+        top[ev.key] = top.get(ev.key, 0.0) + ms
+    tracked = sum(cats.values())
+    return {"source": "cuda kernels" if on_cuda else "cpu ops (self time)", "wall_ms": wall_ms,
+            "ms": cats, "numba_ms": numba_ms, "untracked_ms": max(0.0, wall_ms - tracked) if not on_cuda else None,
+            "top": sorted(([k[:80], v] for k, v in top.items()), key=lambda kv: -kv[1])[:8]}
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def _usage_snapshot():
+    try:
+        from ..cuda_kernels.registry import registry
+        return dict(registry.usage)
+    except Exception:
+        return {}
+
+
+def _usage_diff(before: dict, after: dict) -> Dict[str, Dict[str, int]]:
+    out: Dict[str, Dict[str, int]] = {}
+    for (op, b), n in after.items():
+        d = n - before.get((op, b), 0)
+        if d < 0:  # someone reset the counter mid-step: count what we saw after the reset
+            d = n
+        if d > 0:
+            out.setdefault(op, {})[b] = d
+    return out
+
+
+def _step_info(x, t, transformer_options):
+    sigma = None
+    try:
+        sigma = float(t.flatten()[0])
+    except Exception:
+        pass
+    step = None
+    sig = (transformer_options or {}).get("sample_sigmas")
+    if sig is not None and sigma is not None:
+        try:
+            import torch
+            d = (sig.float().cpu() - sigma).abs()
+            i = int(torch.argmin(d))
+            if float(d[i]) <= 1e-4 * max(1.0, abs(sigma)):
+                step = i
+        except Exception:
+            pass
+    return sigma, step
+
+
+class StepTimer:
+    """The wrappers one timer node attaches to its model clone (one instance per node execution)."""
+
+    def __init__(self, node_id, label: str, profile_split: bool = False, patch=None):
+        self.node_id = None if node_id is None else str(node_id)
+        self.label = label
+        self.profile_split = bool(profile_split)
+        self.patch = patch
+        self.run: Optional[Run] = None
+        self._pending: List[tuple] = []  # (record, start_event, end_event) awaiting the GPU
+        self._profiled = False
+
+    # -- run lifetime ---------------------------------------------------------------------------
+    def begin(self, total_steps=None, device="cpu", patch=None):
+        if self.run is not None and not self.run.done:
+            self.end()
+        self.run = Run(self.node_id, self.label, jsonable(patch if patch is not None else self.patch), device,
+                       total_steps)
+        self._profiled = False
+        _store(self.run)
+        send(EVENT_RUN, {"phase": "start", "node": self.node_id, "run": self.run.id, "label": self.label,
+                         "total_steps": total_steps, "device": device, "patch": self.run.patch})
+        return self.run
+
+    def end(self):
+        run = self.run
+        if run is None or run.done:
+            return
+        self._flush(block=True)
+        run.ended = time.time()
+        send(EVENT_RUN, {"phase": "end", "node": self.node_id, "run": run.id, "label": self.label,
+                         "summary": run.summary(), "backends": merge_backends(run.steps),
+                         "profile": run.profile, "patch": run.patch})
+
+    # -- records --------------------------------------------------------------------------------
+    def _emit(self, rec: dict):
+        run = self.run
+        with _lock:
+            rec["index"] = len(run.steps)
+            run.steps.append(rec)
+        msg = {"node": self.node_id, "run": run.id, "label": self.label, "total_steps": run.total_steps,
+               "device": run.device, "summary": run.summary()}
+        msg.update(rec)
+        send(EVENT_STEP, msg)
+
+    def _flush(self, block=False):
+        while self._pending:
+            rec, ev0, ev1 = self._pending[0]
+            if not block and not ev1.query():
+                return
+            ev1.synchronize()
+            rec["ms"] = float(ev0.elapsed_time(ev1))
+            self._pending.pop(0)
+            self._emit(rec)
+
+    # -- wrappers -------------------------------------------------------------------------------
+    def outer_sample_wrapper(self, executor, *args, **kwargs):
+        sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+        total = None
+        try:
+            total = int(sigmas.shape[-1]) - 1
+        except Exception:
+            pass
+        patch = None
+        try:
+            patch = executor.class_obj.model_options.get("transformer_options", {}).get("flux_numba")
+        except Exception:
+            pass
+        dev = "cpu"
+        try:
+            dev = str(executor.class_obj.model_patcher.load_device)
+        except Exception:
+            pass
+        self.begin(total, dev, patch)
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            self.end()
+
+    def apply_model_wrapper(self, executor, x, t, c_concat=None, c_crossattn=None, control=None,
+                            transformer_options={}, **kwargs):
+        to = transformer_options or {}
+        on_cuda = bool(getattr(x, "is_cuda", False))
+        if self.run is None or self.run.done:  # sampler that bypasses OUTER_SAMPLE: open a run lazily
+            sig = to.get("sample_sigmas")
+            self.begin(int(sig.shape[-1]) - 1 if sig is not None else None,
+                       str(getattr(x, "device", "cpu")), to.get("flux_numba", self.patch))
+        elif self.run.patch is None and to.get("flux_numba") is not None:
+            self.run.patch = jsonable(to.get("flux_numba"))
+        if on_cuda:
+            self._flush(block=False)
+        sigma, step = _step_info(x, t, to)
+        idx = len(self.run.steps) + len(self._pending)
+        rec = {"step": step if step is not None else idx, "ms": None, "sigma": sigma,
+               "batch": int(x.shape[0]) if hasattr(x, "shape") else None,
+               "cond_or_uncond": jsonable(to.get("cond_or_uncond"))}
+        total = self.run.total_steps or 0
+        profile_now = self.profile_split and not self._profiled and (idx == min(1, max(total - 1, 0)))
+        call = lambda: executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+
+        before = _usage_snapshot()
+        if profile_now:
+            out = self._profiled_call(call, x, on_cuda, rec)
+        elif on_cuda:
+            import torch
+            stream = torch.cuda.current_stream(x.device)
+            ev0 = torch.cuda.Event(enable_timing=True)
+            ev1 = torch.cuda.Event(enable_timing=True)
+            ev0.record(stream)
+            out = call()
+            ev1.record(stream)
+            rec["backends"] = _usage_diff(before, _usage_snapshot())
+            self._pending.append((rec, ev0, ev1))
+            return out
+        else:
+            t0 = time.perf_counter()
+            out = call()
+            rec["ms"] = (time.perf_counter() - t0) * 1000.0
+        rec["backends"] = _usage_diff(before, _usage_snapshot())
+        self._emit(rec)
+        return out
+
+    def _profiled_call(self, call, x, on_cuda, rec):
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        self._flush(block=True)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+        with profile(activities=acts) as prof:
+            if on_cuda:
+                torch.cuda.synchronize(x.device)
+            t0 = time.perf_counter()
+            out = call()
+            if on_cuda:
+                torch.cuda.synchronize(x.device)
+            wall = (time.perf_counter() - t0) * 1000.0
+        self._profiled = True
+        rec["ms"] = wall
+        rec["profiled"] = True
+        try:
+            split = split_from_profiler(prof, on_cuda, wall)
+        except Exception as e:
+            split = {"error": f"{type(e).__name__}: {e}"}
+        split["step"] = rec["step"]
+        rec["profile"] = split
+        self.run.profile = split
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- node
+class FluxNumbaStepTimer:
+    """MODEL -> MODEL clone that records every diffusion-model call (see module docstring)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("MODEL", {"tooltip": "Model to time. It is cloned; the input is never modified."}),
+                "label": ("STRING", {"default": "patched", "multiline": False,
+                                     "tooltip": "Name of this series, e.g. 'stock' or 'patched'. Runs with "
+                                                "different labels get different colours and the report "
+                                                "node selects runs by label."}),
+            },
+            "optional": {
+                "profile_split": ("BOOLEAN", {"default": False,
+                                              "tooltip": "Profile ONE step (the 2nd) with torch.profiler and "
+                                                         "split its time into attention / GEMM / our fused "
+                                                         "kernels / other. Costs time: that step runs "
+                                                         "synchronised under the profiler (much slower) and is "
+                                                         "left out of the mean/it/s."}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    RETURN_TYPES = ("MODEL",)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("A clone of the input model that times each sampling step (wall time, it/s, "
+                       "backend of each op) and streams it to this node's chart.",)
+    FUNCTION = "apply"
+    CATEGORY = "FluxNumba"
+    DESCRIPTION = ("Times every diffusion-model call of the sampler that uses this model: CUDA events on GPU, "
+                   "perf_counter on CPU; records which backend (numba / torch) ran each op and the patch "
+                   "description left by FluxNumbaPatch. Results: live chart on this node, "
+                   "FluxNumbaTimingReport node.")
+
+    def apply(self, model, label="patched", profile_split=False, unique_id=None):
+        import comfy.patcher_extension as pe
+
+        m = model.clone()
+        patch = m.model_options.get("transformer_options", {}).get("flux_numba")
+        timer = StepTimer(unique_id, str(label), bool(profile_split), patch=jsonable(patch))
+        # replace (not stack) a timer already on this clone, e.g. two timers in a row
+        m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+        m.remove_wrappers_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+        m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, timer.outer_sample_wrapper)
+        m.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY, timer.apply_model_wrapper)
+        return (m,)
+
+
+NODE_CLASS_MAPPINGS = {"FluxNumbaStepTimer": FluxNumbaStepTimer}
+NODE_DISPLAY_NAME_MAPPINGS = {"FluxNumbaStepTimer": "FluxNumba Step Timer"}

@@ -1,0 +1,349 @@
+"""Step timer, timing report, quality compare and compile progress -- no ComfyUI needed.
+
+The ComfyUI pieces the nodes touch are small: the timer node only calls ``model.clone()`` and
+``add_wrapper_with_key`` / ``remove_wrappers_with_key`` with ``comfy.patcher_extension.WrappersMP`` names,
+and ComfyUI calls the wrappers as ``wrapper(executor, *args)``.  Here a fake patcher and a fake
+executor stand in for them; tests/test_browser.py runs the real thing inside ComfyUI.
+"""
+import inspect
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from flux_numba_pack.cuda_kernels.registry import registry
+from flux_numba_pack.nodes import progress, quality, report, timer
+
+TEST_OP = "_timer_test_op"
+
+
+# ------------------------------------------------------------------------------------------ fakes
+class Exec:
+    """Stands in for comfy.patcher_extension.WrapperExecutor (the next wrapper / the original)."""
+
+    def __init__(self, fn, class_obj=None):
+        self.fn, self.class_obj = fn, class_obj
+
+    def __call__(self, *a, **k):
+        return self.fn(*a, **k)
+
+
+class FakePatcher:
+    def __init__(self, model_options=None):
+        self.model_options = model_options or {"transformer_options": {}}
+        self.wrappers = {}
+        self.load_device = "cpu"
+
+    def clone(self):
+        import copy
+        n = FakePatcher(copy.deepcopy(self.model_options))
+        n.wrappers = {k: {k1: list(v1) for k1, v1 in v.items()} for k, v in self.wrappers.items()}
+        return n
+
+    def add_wrapper_with_key(self, t, key, fn):
+        self.wrappers.setdefault(t, {}).setdefault(key, []).append(fn)
+
+    def remove_wrappers_with_key(self, t, key):
+        self.wrappers.get(t, {}).pop(key, None)
+
+
+@pytest.fixture
+def fake_comfy(monkeypatch):
+    pe = types.ModuleType("comfy.patcher_extension")
+
+    class WrappersMP:
+        OUTER_SAMPLE = "outer_sample"
+        APPLY_MODEL = "apply_model"
+    pe.WrappersMP = WrappersMP
+    comfy = types.ModuleType("comfy")
+    comfy.patcher_extension = pe
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", pe)
+    return pe
+
+
+@pytest.fixture
+def sent():
+    msgs = []
+    prev = timer.set_sender(lambda ev, data: msgs.append((ev, data)))
+    timer.clear_runs()
+    yield msgs
+    timer.set_sender(prev)
+    timer.clear_runs()
+
+
+@pytest.fixture
+def test_op():
+    """A throw-away registry op with a 'numba' backend, removed afterwards."""
+    registry.register(TEST_OP, lambda x: x * 2)
+    registry.register_backend(TEST_OP, "numba", lambda x: x + x, check=lambda x: None if x.shape[0] > 1 else "batch 1")
+    yield TEST_OP
+    registry.ops.pop(TEST_OP, None)
+    for k in [k for k in registry.usage if k[0] == TEST_OP]:
+        del registry.usage[k]
+
+
+def run_sampler(model, n_steps, x=None, per_step=None):
+    """Drive the wrappers the way ComfyUI does: OUTER_SAMPLE once, then APPLY_MODEL once per step."""
+    x = torch.randn(2, 4, 8, 8) if x is None else x
+    sigmas = torch.linspace(1.0, 0.0, n_steps + 1)
+    outer = model.wrappers["outer_sample"]["flux_numba_step_timer"][0]
+    apply_w = model.wrappers["apply_model"]["flux_numba_step_timer"][0]
+    guider = types.SimpleNamespace(model_options=model.model_options,
+                                   model_patcher=types.SimpleNamespace(load_device="cpu"))
+
+    def diffusion(x_, t, c_concat, c_crossattn, control, transformer_options, **kw):
+        if per_step:
+            per_step(x_)
+        w = torch.randn(x_.shape[-1], x_.shape[-1], device=x_.device)
+        return x_ @ w
+
+    def outer_fn(noise, latent, sampler, sigmas_, *a, **k):
+        y = latent
+        for i in range(n_steps):
+            to = dict(model.model_options["transformer_options"], sample_sigmas=sigmas_, cond_or_uncond=[0])
+            y = apply_w(Exec(diffusion), y, sigmas_[i:i + 1].expand(y.shape[0]), None, None, None, to)
+        return y
+
+    return outer(Exec(outer_fn, guider), torch.zeros_like(x), x, None, sigmas)
+
+
+# ------------------------------------------------------------------------------------------ timer
+def test_timer_node_clones_and_adds_wrappers(fake_comfy):
+    m = FakePatcher({"transformer_options": {"flux_numba": {"profile": "fast", "attention": "numba"}}})
+    (out,) = timer.FluxNumbaStepTimer().apply(m, label="patched", unique_id="7")
+    assert out is not m and m.wrappers == {}, "input model must not be mutated"
+    assert set(out.wrappers) == {"outer_sample", "apply_model"}
+    # applying twice to the same clone replaces, not stacks
+    (out2,) = timer.FluxNumbaStepTimer().apply(out, label="again", unique_id="8")
+    assert len(out2.wrappers["apply_model"]["flux_numba_step_timer"]) == 1
+    assert len(out.wrappers["apply_model"]["flux_numba_step_timer"]) == 1
+
+
+def test_records_sent_for_n_steps(fake_comfy, sent, test_op):
+    n = 5
+    m = FakePatcher({"transformer_options": {"flux_numba": {"profile": "fast", "weights": torch.zeros(3)}}})
+    (tm,) = timer.FluxNumbaStepTimer().apply(m, label="patched", unique_id="12")
+
+    calls = {"i": 0}
+
+    def per_step(x):  # step i calls the op i+1 times (numba: batch 2) and once with batch 1 (torch)
+        calls["i"] += 1
+        with registry.force("numba"):
+            for _ in range(calls["i"]):
+                registry.call(test_op, x)
+            registry.call(test_op, x[:1])
+    run_sampler(tm, n, per_step=per_step)
+
+    events = [e for e, _ in sent]
+    assert events[0] == timer.EVENT_RUN and sent[0][1]["phase"] == "start"
+    assert events[-1] == timer.EVENT_RUN and sent[-1][1]["phase"] == "end"
+    steps = [d for e, d in sent if e == timer.EVENT_STEP]
+    assert len(steps) == n
+    for i, d in enumerate(steps):
+        assert d["node"] == "12" and d["label"] == "patched" and d["step"] == i and d["index"] == i
+        assert d["ms"] > 0 and d["total_steps"] == n
+        assert d["backends"][test_op] == {"numba": i + 1, "torch": 1}, d["backends"]
+        assert d["summary"]["steps"] == i + 1
+        assert d["sigma"] == pytest.approx(1.0 - i / n, abs=1e-6)
+        assert d["batch"] == 2
+    assert sent[0][1]["patch"]["profile"] == "fast"
+    assert isinstance(sent[0][1]["patch"]["weights"], str)  # made JSON-safe
+
+    # python API
+    run = timer.last_run(node_id="12")
+    assert run is not None and run["done"] and len(run["steps"]) == n
+    assert timer.last_run(label="patched")["run"] == run["run"]
+    assert timer.get_run(run["run"])["label"] == "patched"
+    ms = [s["ms"] for s in run["steps"]]
+    s = run["summary"]
+    assert s["mean_ms"] == pytest.approx(sum(ms) / n) and s["total_ms"] == pytest.approx(sum(ms))
+    assert s["min_ms"] == min(ms) and s["max_ms"] == max(ms)
+    assert s["its"] == pytest.approx(1000.0 / s["mean_ms"])
+    assert run["backends"][test_op] == {"numba": sum(range(1, n + 1)), "torch": n}
+    import json
+    json.dumps(sent)  # everything sent must be JSON-serialisable
+    json.dumps(timer.get_runs())
+
+
+def test_stock_run_has_no_backends_and_rerun_gives_new_run(fake_comfy, sent):
+    (tm,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="stock", unique_id="3")
+    run_sampler(tm, 3)
+    run_sampler(tm, 4)
+    runs = timer.get_runs()
+    assert [len(r["steps"]) for r in runs] == [3, 4]
+    assert runs[0]["run"] != runs[1]["run"]
+    assert all(st["backends"] == {} for r in runs for st in r["steps"])
+    assert runs[0]["patch"] is None
+
+
+def test_profile_split(fake_comfy, sent):
+    (tm,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="patched", profile_split=True, unique_id="4")
+    run_sampler(tm, 3, x=torch.randn(2, 4, 64, 64))
+    run = timer.last_run(node_id="4")
+    prof = [st for st in run["steps"] if st.get("profiled")]
+    assert len(prof) == 1 and prof[0]["step"] == 1
+    split = run["profile"]
+    assert set(split["ms"]) == set(timer.CATEGORIES)
+    assert split["ms"]["gemm"] > 0  # the fake model is a matmul
+    assert run["summary"]["steps"] == 2  # profiled step left out of the mean
+    assert timer.classify("_ZN6cudapy8flux_numba_pack11ln_modulate") == "fused"
+    assert timer.classify("aten::_scaled_dot_product_flash_attention") == "attention"
+    assert timer.classify("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert timer.classify("aten::add_") == "other"
+    assert timer.classify("_ZN6cudapy15flux_numba_pack12cuda_kernels9attention7_kernel") == "attention"
+    assert timer.classify("fmha_cutlassF_bf16_aligned_64x128_rf_sm80") == "attention"
+
+
+def test_select_runs(fake_comfy, sent):
+    (a,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="stock", unique_id="1")
+    (b,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="patched", unique_id="2")
+    run_sampler(a, 2)
+    run_sampler(b, 2)
+    run_sampler(b, 3)
+    assert [(r["label"], len(r["steps"])) for r in timer.select_runs("last")] == [("stock", 2), ("patched", 3)]
+    assert [r["label"] for r in timer.select_runs("stock")] == ["stock"]
+    assert len(timer.select_runs("all")) == 3
+    assert [len(r["steps"]) for r in timer.select_runs("node:2")] == [3]
+    assert timer.select_runs("nope") == []
+
+
+# ------------------------------------------------------------------------------------------ report
+def test_report_text_and_image(fake_comfy, sent):
+    (a,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="stock", unique_id="1")
+    (b,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="patched", unique_id="2")
+    run_sampler(a, 4)
+    run_sampler(b, 4)
+    latent = {"samples": torch.randn(1, 4, 8, 8)}
+    out = report.FluxNumbaTimingReport().report(latent, "last", width=640, height=320)
+    img, text, lat = out["result"]
+    assert lat is latent
+    assert tuple(img.shape) == (1, 320, 640, 3) and img.dtype == torch.float32
+    assert 0.0 <= float(img.min()) and float(img.max()) <= 1.0
+    assert out["ui"]["text"] == [text]
+    assert "mean ms" in text and "it/s" in text and "stock" in text and "patched" in text
+    assert "speed-up patched vs stock" in text
+    runs = timer.select_runs("last")
+    for r in runs:
+        assert f"{r['summary']['mean_ms']:.2f}" in text
+    # both label colours are drawn
+    px = (img[0].numpy() * 255).round().astype(int)
+    for lab in ("stock", "patched"):
+        c = report.label_colour(lab)
+        rgb = np.array([int(c[i:i + 2], 16) for i in (1, 3, 5)])
+        assert (np.abs(px - rgb).sum(-1) <= 6).sum() > 50, lab
+    # no runs -> placeholder image + explanatory text, no crash
+    timer.clear_runs()
+    img2, text2, _ = report.FluxNumbaTimingReport().report(latent, "last", width=256, height=128)["result"]
+    assert tuple(img2.shape) == (1, 128, 256, 3) and "no timer runs" in text2
+
+
+# ------------------------------------------------------------------------------------------ quality
+def test_quality_matches_skimage():
+    from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(2, 33, 29, 3, generator=g)
+    b = (a + 0.05 * torch.randn(2, 33, 29, 3, generator=g)).clamp(0, 1)
+    out = quality.FluxNumbaQualityCompare().compare(a, b)
+    psnr, ssim = out["result"]
+    an, bn = a.double().numpy(), b.double().numpy()
+    ref_p = np.mean([peak_signal_noise_ratio(an[i], bn[i], data_range=1.0) for i in range(2)])
+    ref_s = np.mean([structural_similarity(an[i], bn[i], data_range=1.0, channel_axis=-1) for i in range(2)])
+    assert psnr == pytest.approx(ref_p, rel=1e-9) and ssim == pytest.approx(ref_s, rel=1e-9)
+    assert isinstance(psnr, float) and isinstance(ssim, float)
+    assert "PSNR" in out["ui"]["text"][0] and f"{ssim:.5f}" in out["ui"]["text"][0]
+    p2, s2 = quality.FluxNumbaQualityCompare().compare(a, a.clone())["result"]
+    assert math.isinf(p2) and s2 == pytest.approx(1.0)
+
+
+def test_quality_shape_mismatch():
+    with pytest.raises(ValueError, match="same shape"):
+        quality.FluxNumbaQualityCompare().compare(torch.rand(1, 32, 32, 3), torch.rand(1, 32, 16, 3))
+    with pytest.raises(ValueError, match="same shape"):
+        quality.FluxNumbaQualityCompare().compare(torch.rand(1, 32, 32, 3), torch.rand(2, 32, 32, 3))
+
+
+# ------------------------------------------------------------------------------------------ progress
+def test_compile_progress_text():
+    got = []
+    prev = progress.set_text_sink(lambda text, node: got.append((node, text)))
+    try:
+        with progress.compile_progress("5", total=3) as p:
+            p.begin("ln_modulate")
+            p.step("ln_modulate", cached=False)
+            p.step("gelu_tanh", cached=True)
+            p.step("attention", cached=True)
+        assert all(n == "5" for n, _ in got)
+        assert "from on-disk cache" in got[-2][1] or "on-disk cache" in got[-2][1]
+        assert "3 kernels ready" in got[-1][1] and "2 from the on-disk cache" in got[-1][1]
+        got.clear()
+        with pytest.raises(RuntimeError):
+            with progress.compile_progress("5", total=2) as p:
+                raise RuntimeError("boom")
+        assert "failed" in got[-1][1] and "boom" in got[-1][1]
+    finally:
+        progress.set_text_sink(prev)
+
+
+def test_compile_progress_warm_reads_dispatcher_cache_stats():
+    from collections import Counter
+    got = []
+    prev = progress.set_text_sink(lambda text, node: got.append(text))
+    try:
+        disp = types.SimpleNamespace(stats=types.SimpleNamespace(cache_hits=Counter()))
+
+        def load_from_cache():
+            disp.stats.cache_hits["sig"] += 1
+            return "ok"
+        with progress.compile_progress(None, total=2) as p:
+            assert p.warm("k1", load_from_cache, dispatchers=[disp]) == "ok"
+            p.warm("k2", lambda: None, dispatchers=[disp])
+        assert p.cached == ["k1"] and p.compiled == ["k2"]
+        assert any("compiling k1" in t for t in got)
+        assert "1 compiled, 1 from the on-disk cache" in got[-1]
+    finally:
+        progress.set_text_sink(prev)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA event path needs a GPU")
+def test_cuda_event_timing(fake_comfy, sent):
+    (tm,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="gpu", profile_split=True, unique_id="9")
+    run_sampler(tm, 5, x=torch.randn(2, 4, 256, 256, device="cuda"))
+    run = timer.last_run(node_id="9")
+    assert [s["step"] for s in run["steps"]] == list(range(5)) and all(s["ms"] > 0 for s in run["steps"])
+    steps = [d for e, d in sent if e == timer.EVENT_STEP]
+    assert [d["index"] for d in steps] == list(range(5))
+    assert run["profile"]["source"] == "cuda kernels" and run["profile"]["ms"]["gemm"] > 0, run["profile"]
+
+
+# ------------------------------------------------------------------------------------------ schema
+NODES = {
+    "FluxNumbaStepTimer": (timer, {"model", "label"}, {"profile_split"}, ("MODEL",)),
+    "FluxNumbaTimingReport": (report, {"samples", "selection"}, {"samples_2", "width", "height"}, ("IMAGE", "STRING", "LATENT")),
+    "FluxNumbaQualityCompare": (quality, {"image_a", "image_b"}, set(), ("FLOAT", "FLOAT")),
+}
+
+
+@pytest.mark.parametrize("node_id", list(NODES))
+def test_schema(node_id):
+    mod, req, opt, ret = NODES[node_id]
+    assert list(mod.NODE_CLASS_MAPPINGS) == [node_id]
+    assert node_id in mod.NODE_DISPLAY_NAME_MAPPINGS
+    cls = mod.NODE_CLASS_MAPPINGS[node_id]
+    it = cls.INPUT_TYPES()
+    assert set(it["required"]) == req and set(it.get("optional", {})) == opt
+    assert it["hidden"] == {"unique_id": "UNIQUE_ID"}
+    for name, spec in {**it["required"], **it.get("optional", {})}.items():
+        assert isinstance(spec, tuple) and spec[1].get("tooltip"), f"{node_id}.{name} needs a tooltip"
+    assert cls.RETURN_TYPES == ret and len(cls.RETURN_NAMES) == len(ret) == len(cls.OUTPUT_TOOLTIPS)
+    assert cls.CATEGORY == "FluxNumba"
+    fn = getattr(cls, cls.FUNCTION)
+    params = set(inspect.signature(fn).parameters) - {"self"}
+    assert req | opt | {"unique_id"} <= params
+    # ComfyUI must not be imported at module level
+    src = inspect.getsource(mod)
+    top = [ln for ln in src.splitlines() if ln.startswith(("import comfy", "from comfy", "import server", "from server"))]
+    assert not top, top

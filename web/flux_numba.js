@@ -1,0 +1,333 @@
+// FluxNumba web extension (ComfyUI frontend >= 1.x, served from /extensions/<pack>/flux_numba.js).
+//
+// * FluxNumbaStepTimer: a live bar chart of step times (one bar per step; colour per label, so a
+//   "stock" and a "patched" run are told apart), with mean/min/max/total ms and it/s per label.
+//   Every number comes from the server's "flux_numba.run" / "flux_numba.step" messages
+//   (nodes/timer.py); this file only draws.  The series live in node.properties.flux_numba_series,
+//   so they are saved with the workflow and survive a page reload.  "export JSON" button + menu entry.
+// * FluxNumbaTimingReport / FluxNumbaQualityCompare: show the node's {"ui": {"text": [...]}} output.
+//
+// Test hooks: the chart element is  div[data-flux-numba-chart][data-node-id="<id>"]  with
+// data-bars="<number of bars>" and one  rect.flux-numba-bar  per bar; window.fluxNumba.bars(id).
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+
+const TIMER = "FluxNumbaStepTimer";
+const TEXT_NODES = ["FluxNumbaTimingReport", "FluxNumbaQualityCompare"];
+const PROP = "flux_numba_series";
+const TEXT_PROP = "flux_numba_text";
+const MAX_LABELS = 8;
+const SVGNS = "http://www.w3.org/2000/svg";
+
+// same rule as nodes/report.py label_colour()
+const FIXED = { stock: "#8a8f98", torch: "#8a8f98", patched: "#e8743b", numba: "#e8743b" };
+const PALETTE = ["#4c8bf5", "#19a979", "#ed4a7b", "#945ecf", "#13a4b4", "#f4c20d", "#6f7dd6", "#bf399e"];
+function labelColour(label) {
+  const key = String(label ?? "").trim().toLowerCase();
+  if (key in FIXED) return FIXED[key];
+  let s = 0;
+  for (const ch of key) s += ch.codePointAt(0);
+  return PALETTE[s % PALETTE.length];
+}
+
+const fmt = (v, nd = 2) => (v === null || v === undefined || !isFinite(v) ? "-" : Number(v).toFixed(nd));
+
+function findNode(id) {
+  if (id === null || id === undefined) return null;
+  const g = app.graph;
+  let n = g.getNodeById(id) ?? g.getNodeById(Number(id));
+  if (!n && typeof id === "string" && id.includes(":")) {
+    // node inside a subgraph: "<parent>:<child>" -- look for the child in the subgraphs
+    const last = id.split(":").pop();
+    for (const sg of g.subgraphs?.values?.() ?? []) {
+      n = sg.getNodeById?.(Number(last)) ?? sg.getNodeById?.(last);
+      if (n) break;
+    }
+  }
+  return n && n.comfyClass === TIMER ? n : null;
+}
+
+function state(node) {
+  node.properties = node.properties || {};
+  let st = node.properties[PROP];
+  if (!st || typeof st !== "object" || !st.series) st = node.properties[PROP] = { series: {}, order: [] };
+  return st;
+}
+
+function seriesFor(node, d) {
+  const st = state(node);
+  const label = String(d.label ?? "");
+  let s = st.series[label];
+  if (!s || s.run !== d.run) {
+    s = st.series[label] = {
+      run: d.run, label, total_steps: d.total_steps ?? null, device: d.device ?? null,
+      patch: d.patch ?? null, steps: [], summary: null, backends: null, profile: null, done: false,
+    };
+    st.order = st.order.filter((l) => l !== label);
+    st.order.push(label);
+    while (st.order.length > MAX_LABELS) delete st.series[st.order.shift()];
+  }
+  return s;
+}
+
+function onRun(ev) {
+  const d = ev.detail;
+  const node = findNode(d?.node);
+  if (!node) return;
+  const s = seriesFor(node, d);
+  if (d.phase === "start") {
+    s.steps = [];
+    s.done = false;
+    s.summary = null;
+  } else if (d.phase === "end") {
+    s.done = true;
+    s.summary = d.summary ?? s.summary;
+    s.backends = d.backends ?? null;
+    s.profile = d.profile ?? null;
+    if (d.patch !== undefined) s.patch = d.patch;
+  }
+  redraw(node);
+  if (d.phase === "end") markChanged();
+}
+
+// node.properties changed outside the frontend's change tracking: let it notice, so the workflow
+// (with the series) is persisted for a page reload.
+function markChanged() {
+  try {
+    app.extensionManager?.workflow?.activeWorkflow?.changeTracker?.checkState?.();
+  } catch (e) {
+    console.debug("FluxNumba: checkState failed", e);
+  }
+}
+
+function onStep(ev) {
+  const d = ev.detail;
+  const node = findNode(d?.node);
+  if (!node) return;
+  const s = seriesFor(node, d);
+  s.steps.push({ index: d.index, step: d.step, ms: d.ms, sigma: d.sigma ?? null, profiled: !!d.profiled });
+  s.summary = d.summary ?? s.summary;
+  if (d.profile) s.profile = d.profile;
+  redraw(node);
+}
+
+function svg(tag, attrs, parent) {
+  const el = document.createElementNS(SVGNS, tag);
+  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, String(v));
+  if (parent) parent.appendChild(el);
+  return el;
+}
+
+function redraw(node) {
+  const ui = node.__fluxNumba;
+  if (!ui) return;
+  const st = state(node);
+  const labels = st.order.filter((l) => st.series[l]);
+  const series = labels.map((l) => st.series[l]);
+  const nSteps = Math.max(0, ...series.map((s) => s.steps.length));
+  const maxMs = Math.max(0, ...series.flatMap((s) => s.steps.map((p) => p.ms || 0)));
+  const W = 400, H = 150, padL = 38, padB = 16, padT = 6, padR = 4;
+  const chart = ui.svg;
+  chart.replaceChildren();
+  svg("rect", { x: 0, y: 0, width: W, height: H, fill: "#1e1e1e" }, chart);
+  let bars = 0;
+  if (nSteps > 0 && maxMs > 0) {
+    const plotW = W - padL - padR, plotH = H - padB - padT;
+    const slot = plotW / nSteps;
+    const bw = Math.max(1, (slot * 0.85) / series.length);
+    for (const frac of [0, 0.5, 1]) {
+      const y = padT + plotH * (1 - frac);
+      svg("line", { x1: padL, x2: W - padR, y1: y, y2: y, stroke: "#444", "stroke-width": 0.5 }, chart);
+      const t = svg("text", { x: padL - 3, y: y + 3, "text-anchor": "end", "font-size": 9, fill: "#aaa" }, chart);
+      t.textContent = fmt(maxMs * frac, maxMs * frac >= 100 ? 0 : 1);
+    }
+    series.forEach((s, j) => {
+      const col = labelColour(s.label);
+      s.steps.forEach((p, k) => {
+        const h = Math.max(1, (plotH * (p.ms || 0)) / maxMs);
+        const r = svg("rect", {
+          class: "flux-numba-bar", x: padL + k * slot + slot * 0.075 + j * bw, y: padT + plotH - h,
+          width: Math.max(1, bw - 0.5), height: h, fill: col, opacity: p.profiled ? 0.45 : 1,
+          "data-label": s.label, "data-step": p.step, "data-ms": p.ms,
+        }, chart);
+        const tip = svg("title", {}, r);
+        tip.textContent = `${s.label} step ${p.step}: ${fmt(p.ms)} ms${p.profiled ? " (profiled)" : ""}`;
+        bars++;
+      });
+      const mean = s.summary?.mean_ms;
+      if (mean) {
+        const y = padT + plotH * (1 - mean / maxMs);
+        svg("line", { x1: padL, x2: W - padR, y1: y, y2: y, stroke: col, "stroke-dasharray": "4 3", "stroke-width": 1 }, chart);
+      }
+    });
+    const xl = svg("text", { x: W - padR, y: H - 3, "text-anchor": "end", "font-size": 9, fill: "#aaa" }, chart);
+    xl.textContent = `step (${nSteps})  ms/step`;
+  } else {
+    const t = svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle", "font-size": 11, fill: "#aaa" }, chart);
+    t.textContent = "step times appear here while sampling";
+  }
+  ui.root.dataset.nodeId = String(node.id);
+  ui.root.dataset.bars = String(bars);
+  ui.root.dataset.runs = String(series.length);
+  ui.root.dataset.labels = labels.join(",");
+
+  ui.stats.replaceChildren();
+  for (const s of series) {
+    const m = s.summary || {};
+    const row = document.createElement("div");
+    row.className = "flux-numba-stats-row";
+    row.dataset.label = s.label;
+    const sw = document.createElement("span");
+    sw.style.cssText = `display:inline-block;width:9px;height:9px;margin-right:4px;background:${labelColour(s.label)}`;
+    row.appendChild(sw);
+    const txt = document.createElement("span");
+    txt.textContent =
+      `${s.label} (run ${s.run}${s.done ? "" : ", running"}): ${m.steps ?? s.steps.length}` +
+      `${s.total_steps ? "/" + s.total_steps : ""} steps, mean ${fmt(m.mean_ms)} ms ` +
+      `(min ${fmt(m.min_ms)} / max ${fmt(m.max_ms)}), total ${fmt(m.total_ms, 1)} ms, ${fmt(m.its, 3)} it/s`;
+    row.appendChild(txt);
+    if (s.profile && s.profile.ms) {
+      const p = document.createElement("div");
+      p.style.cssText = "opacity:.8;padding-left:13px";
+      p.textContent = "split: " + Object.entries(s.profile.ms).map(([k, v]) => `${k} ${fmt(v)} ms`).join(", ");
+      row.appendChild(p);
+    }
+    ui.stats.appendChild(row);
+  }
+  node.setDirtyCanvas?.(true, true);
+}
+
+function exportJSON(node) {
+  const data = { node: node.id, title: node.title, exported: new Date().toISOString(), ...state(node) };
+  const blob = new Blob([JSON.stringify(data, null, 2)], { type: "application/json" });
+  const a = document.createElement("a");
+  a.href = URL.createObjectURL(blob);
+  a.download = `flux_numba_timings_node${node.id}.json`;
+  document.body.appendChild(a);
+  a.click();
+  setTimeout(() => { URL.revokeObjectURL(a.href); a.remove(); }, 1000);
+}
+
+function clearSeries(node) {
+  node.properties[PROP] = { series: {}, order: [] };
+  redraw(node);
+  markChanged();
+}
+
+function buildChart(node) {
+  const root = document.createElement("div");
+  root.className = "flux-numba-chart";
+  root.dataset.fluxNumbaChart = "";
+  root.dataset.nodeId = String(node.id);
+  root.dataset.bars = "0";
+  root.style.cssText = "display:flex;flex-direction:column;gap:3px;width:100%;height:100%;" +
+    "font:11px sans-serif;color:#ddd;overflow:hidden;box-sizing:border-box";
+  const chart = document.createElementNS(SVGNS, "svg");
+  chart.setAttribute("viewBox", "0 0 400 150");
+  chart.setAttribute("preserveAspectRatio", "none");
+  chart.style.cssText = "width:100%;flex:1 1 auto;min-height:90px";
+  const stats = document.createElement("div");
+  stats.className = "flux-numba-stats";
+  const bar = document.createElement("div");
+  bar.style.cssText = "display:flex;gap:4px";
+  const mk = (label, fn, attr) => {
+    const b = document.createElement("button");
+    b.textContent = label;
+    b.dataset[attr] = "";
+    b.style.cssText = "font:11px sans-serif;padding:1px 6px;cursor:pointer";
+    b.addEventListener("click", (e) => { e.stopPropagation(); fn(node); });
+    bar.appendChild(b);
+  };
+  mk("export JSON", exportJSON, "fluxNumbaExport");
+  mk("clear", clearSeries, "fluxNumbaClear");
+  root.append(chart, stats, bar);
+  return { root, svg: chart, stats };
+}
+
+function textWidget(node) {
+  if (node.__fluxNumbaText) return node.__fluxNumbaText;
+  const pre = document.createElement("pre");
+  pre.dataset.fluxNumbaText = "";
+  pre.dataset.nodeId = String(node.id);
+  pre.style.cssText = "margin:0;width:100%;height:100%;overflow:auto;font:10px monospace;color:#ddd;" +
+    "white-space:pre;background:#1e1e1e;box-sizing:border-box;padding:3px";
+  const w = node.addDOMWidget("flux_numba_text", "flux_numba_text", pre, { hideOnZoom: false, getMinHeight: () => 60 });
+  w.serialize = false;
+  node.__fluxNumbaText = pre;
+  return pre;
+}
+
+app.registerExtension({
+  name: "FluxNumba.StepTimer",
+  setup() {
+    api.addEventListener("flux_numba.step", onStep);
+    api.addEventListener("flux_numba.run", onRun);
+    window.fluxNumba = {
+      bars: (id) => Number(document.querySelector(`[data-flux-numba-chart][data-node-id="${id}"]`)?.dataset.bars ?? 0),
+      series: (id) => findNode(id)?.properties?.[PROP] ?? null,
+    };
+  },
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData.name === TIMER) {
+      const created = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function () {
+        const r = created?.apply(this, arguments);
+        const ui = buildChart(this);
+        const w = this.addDOMWidget("flux_numba_chart", "flux_numba_chart", ui.root, {
+          hideOnZoom: false, getMinHeight: () => 190,
+        });
+        w.serialize = false;
+        this.__fluxNumba = ui;
+        state(this);
+        this.setSize?.([Math.max(this.size[0], 380), Math.max(this.size[1], 330)]);
+        redraw(this);
+        return r;
+      };
+      const configure = nodeType.prototype.onConfigure;
+      nodeType.prototype.onConfigure = function () {
+        const r = configure?.apply(this, arguments);
+        if (this.__fluxNumba) this.__fluxNumba.root.dataset.nodeId = String(this.id);
+        redraw(this); // series restored from node.properties (saved workflow / page reload)
+        return r;
+      };
+      const added = nodeType.prototype.onAdded;
+      nodeType.prototype.onAdded = function () {
+        const r = added?.apply(this, arguments);
+        redraw(this); // the node id is known only once it is in the graph
+        return r;
+      };
+      const menu = nodeType.prototype.getExtraMenuOptions;
+      nodeType.prototype.getExtraMenuOptions = function (_, options) {
+        const r = menu?.apply(this, arguments);
+        options.push(null,
+          { content: "FluxNumba: export timings JSON", callback: () => exportJSON(this) },
+          { content: "FluxNumba: clear chart", callback: () => clearSeries(this) });
+        return r;
+      };
+    } else if (TEXT_NODES.includes(nodeData.name)) {
+      const created = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function () {
+        const r = created?.apply(this, arguments);
+        textWidget(this);
+        return r;
+      };
+      const executed = nodeType.prototype.onExecuted;
+      nodeType.prototype.onExecuted = function (message) {
+        const r = executed?.apply(this, arguments);
+        const text = (message?.text ?? []).join("\n");
+        this.properties = this.properties || {};
+        this.properties[TEXT_PROP] = text;
+        textWidget(this).textContent = text;
+        markChanged();
+        return r;
+      };
+      const configure = nodeType.prototype.onConfigure;
+      nodeType.prototype.onConfigure = function () {
+        const r = configure?.apply(this, arguments);
+        if (this.properties?.[TEXT_PROP]) textWidget(this).textContent = this.properties[TEXT_PROP];
+        if (this.__fluxNumbaText) this.__fluxNumbaText.dataset.nodeId = String(this.id);
+        return r;
+      };
+    }
+  },
+});
