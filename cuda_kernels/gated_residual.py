@@ -1,0 +1,144 @@
+"""Gated residual ``x += gate * y`` (in place), optionally fused with the next LN+modulate.
+
+Shapes: x, y [B, L, C]; gate, shift, scale [B, 1, C] (unit stride on C).
+``gated_residual_ln_modulate`` returns ``LN(x_new) * (1 + scale) + shift`` and leaves the
+updated residual in x: one read of x and y gives both the new residual and the next input.
+
+Numba backends ("numba", bf16 only).  Rounding: like the reference, ``gate * y`` is rounded to
+bf16 and then added to x and rounded again, so the new residual is bit-identical to stock
+(fp32 products, RNE).  The fused variant computes LN statistics from the rounded new x held in
+registers (the row kernel of ``ln_modulate`` with GATED=1) and rounds its output once.
+  * gated_residual: block per row chunk (grid (chunks, L, B), grid-stride, no integer
+    division), NW words per thread, all loads issued
+    before the math; int64 words (4 bf16) when 8-byte aligned, int16 scalar fallback.
+  * gated_residual_ln_modulate: block per row, row in registers, shuffle reductions.
+
+Bytes per call at FLUX 1024^2 (C = 3072, B = 1), floor at 3.7 TB/s:
+  gated_residual            read x, y + write x = 6*L*C:  img 75.5 MB 20.4 us; txt 9.4 MB 2.6 us;
+                                                         single (L=4608) 84.9 MB 22.9 us
+  gated_residual_ln_modulate read x, y + write x, h = 8*L*C: img 100.7 MB 27.2 us;
+                                                         txt 12.6 MB 3.4 us
+  (unfused gated_residual + ln_modulate: 10*L*C, img 125.8 MB 34.0 us; stock ~2x more.)
+"""
+import numpy as np
+import torch
+
+from . import intrinsics as ik
+# module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
+# cache key then only hashes the factory's int constants
+from .intrinsics import cuda, float32, int64, unpack_w, pack4, pack1, round_bf16  # noqa: F401
+from .ln_modulate import reference as ln_modulate_reference
+from .ln_modulate import row_check, vec_views, _threads, _expand, make_row_kernel, NW_FOR
+from .registry import registry
+
+OP = "gated_residual"
+OP_LN = "gated_residual_ln_modulate"
+
+
+def reference(x, gate, y):
+    """ComfyUI's math: ``x += y * gate`` in x's dtype (y * gate rounded first)."""
+    x += y * gate
+    return x
+
+
+def reference_ln(x, gate, y, shift, scale, eps: float = 1e-6):
+    reference(x, gate, y)
+    return ln_modulate_reference(x, shift, scale, eps)
+
+
+registry.register(OP, reference, doc=__doc__, mutates=(0,))
+registry.register(OP_LN, reference_ln, doc=__doc__, mutates=(0,))
+
+# ----------------------------------------------------------------------------- numba backend
+
+
+def make_gated_kernel(VEC, NW):
+    """x[B, L, Cw] += gate[B, 1, Cw] * y[B, L, Cw] on word views; work item = (row, chunk)."""
+
+
+    def gated_kernel(x, gate, y, nchunks):
+        wx = cuda.local.array(NW, int64)
+        wy = cuda.local.array(NW, int64)
+        wg = cuda.local.array(NW, int64)
+        ta = cuda.local.array(4, float32)
+        tb = cuda.local.array(4, float32)
+        tc = cuda.local.array(4, float32)
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        Cw = x.shape[2]
+        # grid (chunks, L, B), grid-stride in every dimension: no integer division
+        for b in range(cuda.blockIdx.z, x.shape[0], cuda.gridDim.z):
+            gr = gate[b, 0]
+            for li in range(cuda.blockIdx.y, x.shape[1], cuda.gridDim.y):
+                xr = x[b, li]
+                yr = y[b, li]
+                for c in range(cuda.blockIdx.x, nchunks, cuda.gridDim.x):
+                    base = c * nt * NW + tid
+                    for k in range(NW):
+                        j = base + k * nt
+                        if j < Cw:
+                            wx[k] = xr[j]
+                            wy[k] = yr[j]
+                            wg[k] = gr[j]
+                    for k in range(NW):
+                        j = base + k * nt
+                        if j < Cw:
+                            unpack_w(wx[k], ta, 0, VEC)
+                            unpack_w(wy[k], tb, 0, VEC)
+                            unpack_w(wg[k], tc, 0, VEC)
+                            for e in range(VEC):  # stock: bf16(x + bf16(y * gate))
+                                ta[e] = ta[e] + round_bf16(tc[e] * tb[e])
+                            if VEC == 4:
+                                xr[j] = pack4(ta[0], ta[1], ta[2], ta[3])
+                            else:
+                                xr[j] = pack1(ta[0])
+
+    return ik.jit_kernel(gated_kernel)
+
+
+_launchers = {}
+
+
+def _launcher(kind, VEC):
+    key = (kind, VEC)
+    la = _launchers.get(key)
+    if la is None:
+        if kind == "gated":
+            la = ik.Launcher(lambda: make_gated_kernel(VEC, NW_FOR[VEC]))
+        else:
+            la = ik.Launcher(lambda: make_row_kernel(VEC, NW_FOR[VEC], 1))
+        la = _launchers[key] = la
+    return la
+
+
+def check(x, gate, y):
+    return row_check(x, (y,), (gate,))
+
+
+def check_ln(x, gate, y, shift, scale, eps: float = 1e-6):
+    return row_check(x, (y,), (gate, shift, scale))
+
+
+def numba_gated_residual(x, gate, y):
+    B, L, C = x.shape
+    VEC, (xw, gw, yw) = vec_views(x, _expand(gate, B), y)
+    Cw = xw.shape[2]
+    NW = NW_FOR[VEC]
+    nt = _threads(Cw, NW)
+    nchunks = -(-Cw // (nt * NW))
+    _launcher("gated", VEC)(ik.grid3(nchunks, L, B), nt, xw, gw, yw, nchunks)
+    return x
+
+
+def numba_gated_residual_ln_modulate(x, gate, y, shift, scale, eps: float = 1e-6):
+    B = x.shape[0]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    VEC, (xw, yw, ow, gw, shw, scw) = vec_views(x, y, out, _expand(gate, B), _expand(shift, B), _expand(scale, B))
+    Cw = xw.shape[2]
+    _launcher("ln", VEC)(ik.grid3(1, x.shape[1], B), _threads(Cw, NW_FOR[VEC]),
+                         xw, yw, gw, shw, scw, ow, np.float32(eps))
+    return out
+
+
+registry.register_backend(OP, "numba", numba_gated_residual, check=check)
+registry.register_backend(OP_LN, "numba", numba_gated_residual_ln_modulate, check=check_ln)

@@ -1,0 +1,508 @@
+"""Shared device helpers for the memory-bound kernels, each with a simulator-safe fallback.
+
+Chosen once at import time from ``runtime.SIMULATOR``:
+  * real GPU: ``@cuda.jit(device=True, forceinline=True)`` functions using libdevice bit casts
+    (``int_as_float`` / ``float_as_int``) and warp shuffles (``shfl_xor_sync``);
+  * simulator: plain Python (numpy/struct bit casts, shared-memory reductions, Python-int
+    wrapping so numpy never sees an out-of-range integer).
+
+bf16 handling: tensors are passed as integer *bit views* (int16 = one bf16, int64 = four bf16,
+lowest address in the low bits).  Hot path (GPU: numba ``@intrinsic`` LLVM IR, 32-bit ops only,
+and ``cvt.rn.bf16x2.f32`` inline PTX for round-to-nearest-even packing):
+``unpack4(w)`` -> 4 float32, ``pack4(a, b, c, d)`` -> int64 word, ``bf2f(h)`` / ``pack1(f)`` for
+one element (int16), ``round_bf16(f)`` (float32 rounded to bf16), ``unpack_f32x2(w)`` (two fp32
+read as one int64), ``unpack_w(w, a, base, vec)`` (word -> local array).  Reference helpers
+(also the simulator's building blocks): ``word_get``, ``f2bf`` (RNE from the float bits,
+``(u + 0x7FFF + ((u >> 16) & 1)) >> 16``, NaN kept quiet), ``wrap_i64`` / ``wrap_i16``.
+
+Reductions (float32): ``block_sum(v, smem)`` over the whole block (blockDim a multiple of 32 on
+the GPU), ``group_sum(v, g, smem)`` over aligned groups of g lanes (g a power of two <= 32).
+``smem`` is a ``cuda.shared.array(RED_SMEM, float32)`` the kernel allocates; every thread of
+the block must call the reduction (uniform control flow).
+
+``Launcher`` holds one lazily-compiled kernel and launches it on torch's current stream.
+Nothing here compiles at import; importing works without numba (``NUMBA_OK`` is then False).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import struct
+
+from . import runtime
+
+try:
+    from numba import cuda, float32, int32, int64, int16  # noqa: F401
+    NUMBA_OK = True
+except Exception:  # pragma: no cover - numba missing: backends decline via check
+    cuda = None
+    NUMBA_OK = False
+
+SIMULATOR = runtime.SIMULATOR
+RED_SMEM = 1024 if SIMULATOR else 33  # floats of shared scratch a reduction needs
+
+
+def jit_kernel(fn=None, **kw):
+    """``cuda.jit`` for kernels: fastmath + on-disk cache on the GPU, lazy compilation."""
+    def deco(f):
+        if not NUMBA_OK:
+            return f
+        if SIMULATOR:
+            return cuda.jit(f)
+        return cuda.jit(f, fastmath=True, cache=True, **kw)
+    return deco(fn) if fn is not None else deco
+
+
+if not NUMBA_OK:  # pragma: no cover - names exist so op modules import; checks decline
+    float32 = int32 = int64 = int16 = None
+    bf2f = word_get = f2bf = wrap_i64 = wrap_i16 = lo_f32 = hi_f32 = None
+    unpack4 = pack4 = pack1 = round_bf16 = unpack_f32x2 = unpack_w = None
+    rsqrt = tanh = gelu_tanh = block_sum = group_sum = None
+
+elif SIMULATOR:
+    import math
+
+    import numpy as _np
+
+    _F32 = _np.float32
+
+    def bf2f(h):
+        """bf16 bits (low 16 bits of an int) -> float32."""
+        return _F32(struct.unpack("<f", struct.pack("<I", (int(h) & 0xFFFF) << 16))[0])
+
+    def word_get(w, i):
+        return bf2f(int(w) >> (16 * int(i)))
+
+    def f2bf(f):
+        u = struct.unpack("<I", struct.pack("<f", float(_F32(f))))[0]
+        if (u & 0x7FFFFFFF) > 0x7F800000:
+            return ((u >> 16) | 0x40) & 0xFFFF
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+    def wrap_i64(w):
+        w = int(w) & 0xFFFFFFFFFFFFFFFF
+        return w - (1 << 64) if w >= (1 << 63) else w
+
+    def wrap_i16(w):
+        w = int(w) & 0xFFFF
+        return w - (1 << 16) if w >= (1 << 15) else w
+
+    def lo_f32(w):
+        """float32 in the low 32 bits of an int64 word (fp32 pairs read as int64)."""
+        return _F32(struct.unpack("<f", struct.pack("<I", int(w) & 0xFFFFFFFF))[0])
+
+    def hi_f32(w):
+        return _F32(struct.unpack("<f", struct.pack("<I", (int(w) >> 32) & 0xFFFFFFFF))[0])
+
+    def rsqrt(x):
+        return _F32(1.0 / math.sqrt(float(x)))
+
+    def unpack4(w):
+        w = int(w)
+        return bf2f(w), bf2f(w >> 16), bf2f(w >> 32), bf2f(w >> 48)
+
+    def pack4(a, b, c, d):
+        return wrap_i64(f2bf(a) | (f2bf(b) << 16) | (f2bf(c) << 32) | (f2bf(d) << 48))
+
+    def pack1(a):
+        return wrap_i16(f2bf(a))
+
+    def round_bf16(a):
+        return bf2f(f2bf(a))
+
+    def unpack_f32x2(w):
+        return lo_f32(w), hi_f32(w)
+
+    def unpack_w(w, a, base, vec):
+        if vec == 4:
+            t = unpack4(w)
+            a[base], a[base + 1], a[base + 2], a[base + 3] = t
+        else:
+            a[base] = bf2f(w)
+
+    def tanh(x):
+        return _F32(math.tanh(float(x)))
+
+    def gelu_tanh(x):
+        x = float(x)
+        return _F32(0.5 * x * (1.0 + math.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))))
+
+    @cuda.jit(device=True)
+    def block_sum(v, smem):
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        smem[tid] = v
+        cuda.syncthreads()
+        s = _F32(0)
+        for i in range(nt):
+            s += smem[i]
+        cuda.syncthreads()
+        return s
+
+    @cuda.jit(device=True)
+    def group_sum(v, g, smem):
+        tid = cuda.threadIdx.x
+        smem[tid] = v
+        cuda.syncthreads()
+        base = tid - tid % g
+        s = _F32(0)
+        for i in range(g):
+            s += smem[base + i]
+        cuda.syncthreads()
+        return s
+
+else:
+    import math
+
+    from numba.cuda import libdevice
+
+    _dev = dict(device=True, forceinline=True)
+
+    from llvmlite import ir as _ir
+    from numba import types as _nbt
+    from numba.cuda.extending import intrinsic as _intrinsic
+
+    _I16, _I32, _I64, _F32T = _ir.IntType(16), _ir.IntType(32), _ir.IntType(64), _ir.FloatType()
+    _HI16 = _ir.Constant(_I32, -65536)  # 0xFFFF0000
+    # cvt.rn.bf16x2.f32 d, a, b: RNE, a -> upper half of d, b -> lower half (sm_80+)
+    _CVT = _ir.InlineAsm(_ir.FunctionType(_I32, [_F32T, _F32T]), "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+
+    def _as(context, builder, v, ty, to):
+        return context.cast(builder, v, ty, to)
+
+    @_intrinsic
+    def unpack4(typingctx, w):
+        """int64 word -> 4 float32 (element 0 = low 16 bits); pure 32-bit ops after one split."""
+        if not isinstance(w, _nbt.Integer):
+            return None
+        sig = _nbt.UniTuple(_nbt.float32, 4)(w)
+
+        def codegen(context, builder, sig, args):
+            v = _as(context, builder, args[0], sig.args[0], _nbt.int64)
+            lo = builder.trunc(v, _I32)
+            hi = builder.trunc(builder.lshr(v, _ir.Constant(_I64, 32)), _I32)
+            c16 = _ir.Constant(_I32, 16)
+            fs = [builder.bitcast(builder.shl(lo, c16), _F32T), builder.bitcast(builder.and_(lo, _HI16), _F32T),
+                  builder.bitcast(builder.shl(hi, c16), _F32T), builder.bitcast(builder.and_(hi, _HI16), _F32T)]
+            return context.make_tuple(builder, sig.return_type, fs)
+        return sig, codegen
+
+    @_intrinsic
+    def pack4(typingctx, a, b, c, d):
+        """4 float32 -> int64 word of RNE bf16 (two cvt.rn.bf16x2.f32)."""
+        if not all(isinstance(t, (_nbt.Float, _nbt.Integer)) for t in (a, b, c, d)):
+            return None
+        sig = _nbt.int64(a, b, c, d)
+
+        def codegen(context, builder, sig, args):
+            f = [_as(context, builder, v, t, _nbt.float32) for v, t in zip(args, sig.args)]
+            p01 = builder.call(_CVT, [f[1], f[0]])
+            p23 = builder.call(_CVT, [f[3], f[2]])
+            return builder.or_(builder.zext(p01, _I64), builder.shl(builder.zext(p23, _I64), _ir.Constant(_I64, 32)))
+        return sig, codegen
+
+    @_intrinsic
+    def pack1(typingctx, a):
+        """float32 -> int16 RNE bf16 bits."""
+        if not isinstance(a, (_nbt.Float, _nbt.Integer)):
+            return None
+        sig = _nbt.int16(a)
+
+        def codegen(context, builder, sig, args):
+            f = _as(context, builder, args[0], sig.args[0], _nbt.float32)
+            p = builder.call(_CVT, [_ir.Constant(_F32T, 0.0), f])
+            return builder.trunc(p, _I16)
+        return sig, codegen
+
+    @_intrinsic
+    def round_bf16(typingctx, a):
+        """float32 rounded (RNE) to the nearest bf16 value, as float32."""
+        if not isinstance(a, (_nbt.Float, _nbt.Integer)):
+            return None
+        sig = _nbt.float32(a)
+
+        def codegen(context, builder, sig, args):
+            f = _as(context, builder, args[0], sig.args[0], _nbt.float32)
+            p = builder.call(_CVT, [_ir.Constant(_F32T, 0.0), f])
+            return builder.bitcast(builder.shl(p, _ir.Constant(_I32, 16)), _F32T)
+        return sig, codegen
+
+    @_intrinsic
+    def bf2f(typingctx, h):
+        """bf16 bits (low 16 bits of any int) -> float32."""
+        if not isinstance(h, _nbt.Integer):
+            return None
+        sig = _nbt.float32(h)
+
+        def codegen(context, builder, sig, args):
+            v = _as(context, builder, args[0], sig.args[0], _nbt.int32)
+            return builder.bitcast(builder.shl(v, _ir.Constant(_I32, 16)), _F32T)
+        return sig, codegen
+
+    @_intrinsic
+    def unpack_f32x2(typingctx, w):
+        """int64 word holding two float32 -> (low, high)."""
+        if not isinstance(w, _nbt.Integer):
+            return None
+        sig = _nbt.UniTuple(_nbt.float32, 2)(w)
+
+        def codegen(context, builder, sig, args):
+            v = _as(context, builder, args[0], sig.args[0], _nbt.int64)
+            lo = builder.bitcast(builder.trunc(v, _I32), _F32T)
+            hi = builder.bitcast(builder.trunc(builder.lshr(v, _ir.Constant(_I64, 32)), _I32), _F32T)
+            return context.make_tuple(builder, sig.return_type, [lo, hi])
+        return sig, codegen
+
+    @cuda.jit(**_dev)
+    def unpack_w(w, a, base, vec):
+        """Word -> a[base:base+vec] (vec 4: int64 word of 4 bf16; vec 1: one bf16)."""
+        if vec == 4:
+            t = unpack4(w)
+            a[base] = t[0]
+            a[base + 1] = t[1]
+            a[base + 2] = t[2]
+            a[base + 3] = t[3]
+        else:
+            a[base] = bf2f(w)
+
+    @cuda.jit(**_dev)
+    def word_get(w, i):
+        return libdevice.int_as_float(int32(((int64(w) >> (16 * i)) & 0xFFFF) << 16))
+
+    @cuda.jit(**_dev)
+    def f2bf(f):
+        u = int64(libdevice.float_as_int(float32(f))) & 0xFFFFFFFF
+        if (u & 0x7FFFFFFF) > 0x7F800000:
+            return ((u >> 16) | 0x40) & 0xFFFF
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+    @cuda.jit(**_dev)
+    def wrap_i64(w):
+        return int64(w)
+
+    @cuda.jit(**_dev)
+    def wrap_i16(w):
+        return int16(w)
+
+    @cuda.jit(**_dev)
+    def lo_f32(w):
+        return libdevice.int_as_float(int32(int64(w) & 0xFFFFFFFF))
+
+    @cuda.jit(**_dev)
+    def hi_f32(w):
+        return libdevice.int_as_float(int32((int64(w) >> 32) & 0xFFFFFFFF))
+
+    @cuda.jit(**_dev)
+    def rsqrt(x):
+        return libdevice.rsqrtf(float32(x))
+
+    @cuda.jit(**_dev)
+    def tanh(x):
+        return math.tanh(float32(x))
+
+    @cuda.jit(**_dev)
+    def gelu_tanh(x):
+        """0.5*x*(1+tanh(u)) == x*sigmoid(2u) == x / (1 + exp(-2u)), u = sqrt(2/pi)*(x+0.044715x^3);
+        exp overflow gives x/inf = -0 for very negative x (the true value underflows too)."""
+        x = float32(x)
+        u = float32(-1.5957691216057308) * (x + float32(0.044715) * x * x * x)
+        return x / (float32(1) + math.exp(u))
+
+    @cuda.jit(**_dev)
+    def warp_sum(v):
+        off = 16
+        while off > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            off >>= 1
+        return v
+
+    @cuda.jit(**_dev)
+    def block_sum(v, smem):
+        tid = cuda.threadIdx.x
+        v = warp_sum(v)
+        if (tid & 31) == 0:
+            smem[tid >> 5] = v
+        cuda.syncthreads()
+        s = float32(0)
+        for i in range((cuda.blockDim.x + 31) >> 5):
+            s += smem[i]
+        cuda.syncthreads()
+        return s
+
+    @cuda.jit(**_dev)
+    def group_sum(v, g, smem):
+        off = g >> 1
+        while off > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            off >>= 1
+        return v
+
+
+# ---------------------------------------------------------------------------------- launching
+import numpy as _np  # noqa: E402
+import torch  # noqa: E402
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def words(t: torch.Tensor):
+    """int64 view of a bf16 tensor (4 elements per word) or None when not 8-byte aligned.
+
+    torch's dtype view enforces exactly what the kernels need: unit stride and a size divisible
+    by 4 on the last dim, storage offset and every other stride divisible by 4 elements."""
+    if t.element_size() != 2:
+        return None
+    try:
+        return t.view(torch.int64)
+    except RuntimeError:
+        return None
+
+
+class Launcher:
+    """A lazily compiled kernel launched on torch's current stream with few Python steps.
+
+    ``launcher(grid, block, *args)``; args are torch tensors (16-bit floats are passed as int16
+    bit views), Python ints (typed int64) and ``numpy.float32`` scalars.
+
+    GPU fast path: on the first call for a given (dtype, ndim) argument pattern the kernel is
+    compiled explicitly for layout-'A' arrays (``dispatcher.compile``: the on-disk cache is
+    used), and every launch then builds the kernel parameters straight from the tensors'
+    data_ptr/shape/strides -- no ``as_cuda_array``, no argument typing -- and calls the same
+    ``cuda.core`` launch numba itself uses, on ``runtime.stream()`` (CUDA-graph capturable).
+    Any failure there disables the fast path (logged) and the ordinary numba launch
+    (``kernel[grid, block, stream](*arrays)``, also what the simulator uses) takes over.
+    ``FLUX_NUMBA_FAST_LAUNCH=0`` disables it.
+    """
+
+    __slots__ = ("factory", "kernel", "_cfg", "_fast")
+
+    def __init__(self, factory):
+        self.factory = factory  # () -> numba dispatcher; called on first launch only
+        self.kernel = None
+        self._cfg = {}
+        self._fast = {} if _FAST_OK else None
+
+    def __call__(self, grid, block, *args):
+        k = self.kernel
+        if k is None:
+            k = self.kernel = self.factory()
+        fast = self._fast
+        if fast is not None:
+            key = tuple((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else type(a) for a in args)
+            handle = fast.get(key)
+            if handle is None:
+                handle = fast[key] = self._compile_fast(args)
+            if handle is not False:
+                cfg = self._cfg.get((grid, block))
+                if cfg is None:
+                    cfg = self._cfg[(grid, block)] = _launch_config(grid, block)
+                params = []
+                for a in args:
+                    if isinstance(a, torch.Tensor):
+                        es = a.element_size()
+                        params += (0, 0, a.numel(), es, a.data_ptr())
+                        params += a.shape
+                        params += [st * es for st in a.stride()]
+                    elif type(a) is int:
+                        params.append(a)  # int64 (intptr-sized, as numba passes shapes)
+                    else:
+                        params.append(_c_float(a))
+                _cuda_launch(runtime.stream(), cfg, handle, *params)
+                return
+        st = runtime.stream()
+        key = (grid, block, st)
+        cfg = self._cfg.get(key)
+        if cfg is None:
+            if len(self._cfg) > 256:
+                self._cfg.clear()
+            cfg = self._cfg[key] = k[grid, block, st]
+        cfg(*[_arg(a) for a in args])
+
+    def _compile_fast(self, args):
+        global _FAST_OK
+        try:
+            from numba import types as nt
+            sig = []
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    sig.append(nt.Array(_NB_DTYPES[a.dtype], a.dim(), "A"))
+                elif type(a) is int:
+                    sig.append(nt.int64)
+                elif isinstance(a, _np.float32):
+                    sig.append(nt.float32)
+                else:
+                    raise TypeError(f"fast launch: unsupported argument {type(a).__name__}")
+            kern = self.kernel.compile(tuple(sig))
+            if getattr(kern, "cooperative", False):
+                raise TypeError("cooperative kernel")
+            return kern._codelibrary.get_cufunc().kernel
+        except Exception as e:  # pragma: no cover - GPU only
+            import logging
+            logging.getLogger("flux_numba").warning("[flux_numba] fast launch disabled (%s: %s); "
+                                                    "using numba's launcher", type(e).__name__, e)
+            _FAST_OK = False
+            self._fast = None
+            return False
+
+
+def _arg(a):
+    if isinstance(a, torch.Tensor):
+        a = runtime.arr(a)
+    if SIMULATOR and isinstance(a, _np.ndarray):
+        # wrap without the simulator's copy-in/copy-out (which refuses strided views):
+        # kernels then write straight into the torch tensor's memory
+        a = _FakeCUDAArray(a)
+    return a
+
+
+def arr(t):
+    """``runtime.arr`` plus the simulator wrapping (for arrays cached by the launchers)."""
+    return _arg(t)
+
+
+if SIMULATOR and NUMBA_OK:
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _FakeCUDAArray
+
+_FAST_OK = False
+if NUMBA_OK and not SIMULATOR and os.environ.get("FLUX_NUMBA_FAST_LAUNCH", "1") != "0":
+    try:
+        from ctypes import c_float as _c_float
+
+        from numba import int16 as _i16, int64 as _i64, float32 as _f32
+        from numba.cuda.dispatcher import launch as _cuda_launch, LaunchConfig as _LaunchConfig
+        from numba.cuda._compat import CUDA_CORE_GE_1_0 as _GE10
+
+        _NB_DTYPES = {torch.int16: _i16, torch.bfloat16: _i16, torch.float16: _i16,
+                      torch.int64: _i64, torch.float32: _f32}
+
+        def _launch_config(grid, block):
+            if _GE10:
+                return _LaunchConfig(grid=grid, block=block, shmem_size=0, is_cooperative=False)
+            return _LaunchConfig(grid=grid, block=block, shmem_size=0, cooperative_launch=False)
+
+        _FAST_OK = True
+    except Exception:  # pragma: no cover - numba-cuda internals moved: ordinary launches
+        _FAST_OK = False
+
+
+@functools.lru_cache(maxsize=1024)
+def grid3(nx: int, ny: int, nz: int):
+    """3-D grid for kernels that grid-stride in x, y and z (y, z capped at 65535; 2x2x2 in the
+    simulator so tests stay fast but still exercise the strides)."""
+    if SIMULATOR:
+        return (min(nx, 2), min(ny, 2), min(nz, 2))
+    return (max(1, min(nx, 2 ** 31 - 1)), max(1, min(ny, 65535)), max(1, min(nz, 65535)))
+
+
+def common_check(*tensors, bf16_only=True):
+    """device / dtype reason shared by every backend's check (None when fine)."""
+    why = runtime.device_ok(*tensors)
+    if why:
+        return why
+    if not NUMBA_OK:
+        return "numba not importable"
+    if bf16_only:
+        for t in tensors:
+            if t is not None and t.dtype != torch.bfloat16:
+                return f"numba kernels take bf16 tensors (got {t.dtype})"
+    return None

@@ -1,0 +1,281 @@
+"""Numba backends of the fused FLUX ops vs their torch references (simulator on CPU, or the GPU
+with FLUX_NUMBA_REAL_GPU=1).
+
+Every call is forced to the numba backend with ``registry.strict`` (an unusable backend raises),
+outputs are NaN-poisoned (``torch.empty`` returns NaN-filled tensors inside the tests) so an
+unwritten element fails, sizes are odd (batch 2, L not a multiple of anything, C 64/96, two
+parts with L 5 and 7, row-strided views, unaligned rows that take the scalar path).
+"""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from flux_numba_pack.cuda_kernels import registry
+from flux_numba_pack.cuda_kernels import intrinsics as ik
+from flux_numba_pack.cuda_kernels import ln_modulate as LM, gelu_tanh as GT
+from flux_numba_pack.flux_core import blocks
+
+DEV = "cuda" if os.environ.get("FLUX_NUMBA_REAL_GPU") == "1" else "cpu"
+BF = torch.bfloat16
+FUSED_OPS = ("ln_modulate", "gated_residual", "gated_residual_ln_modulate", "qk_norm_rope", "gelu_tanh")
+
+pytestmark = pytest.mark.skipif(not ik.NUMBA_OK, reason="numba not importable")
+
+
+@pytest.fixture(autouse=True)
+def strict_and_poison(monkeypatch):
+    real_empty = torch.empty
+
+    def nan_empty(*a, **kw):
+        t = real_empty(*a, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    old = registry.strict
+    registry.strict = True
+    try:
+        yield
+    finally:
+        registry.strict = old
+
+
+def numba():
+    """Our ops forced to numba; every other op (attention, ...) on the torch reference."""
+    return registry.force("torch", **{op: "numba" for op in FUSED_OPS})
+
+
+def rnd(*shape, scale=1.0, offset=0.0):
+    return (torch.randn(*shape, device=DEV) * scale + offset).to(BF)
+
+
+def close(out, ref, tol=1.6e-2):
+    assert out.shape == ref.shape
+    assert not torch.isnan(out).any(), "unwritten (NaN) elements"
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def ref_of(op):
+    return registry.ops[op].reference
+
+
+# ------------------------------------------------------------------------------------ ln_modulate
+@pytest.mark.parametrize("B,L,C,offset", [(2, 7, 64, 0.0), (1, 5, 96, 30.0), (2, 3, 66, 0.5)])
+def test_ln_modulate(B, L, C, offset):
+    torch.manual_seed(B * 100 + L + C)
+    x = rnd(B, L, C, scale=2.0, offset=offset)
+    mod = rnd(B, 1, 6 * C)  # shift/scale are chunks: unit stride on C, batch stride 6C
+    sh, sc = mod[..., C:2 * C], mod[..., 2 * C:3 * C]
+    with numba():
+        y = registry.call("ln_modulate", x, sh, sc, 1e-6)
+    assert registry.last["ln_modulate"] == "numba"
+    close(y, ref_of("ln_modulate")(x, sh, sc, 1e-6))
+    if C % 4:  # rows not 8-byte aligned: the int16 scalar variant ran
+        assert LM._launchers[(1, 0)].kernel is not None
+
+
+def test_ln_modulate_broadcast_batch():
+    torch.manual_seed(1)
+    x = rnd(2, 5, 64)
+    sh, sc = rnd(1, 1, 64), rnd(1, 1, 64)
+    with numba():
+        y = registry.call("ln_modulate", x, sh, sc, 1e-6)
+    close(y, ref_of("ln_modulate")(x, sh, sc, 1e-6))
+
+
+# ------------------------------------------------------------------------------- gated residual
+@pytest.mark.parametrize("B,L,C", [(2, 7, 64), (1, 5, 96), (2, 3, 66)])
+def test_gated_residual_bit_exact(B, L, C):
+    torch.manual_seed(B + L + C)
+    x = rnd(B, L, C, scale=4.0)
+    y = rnd(B, L, C)
+    g = rnd(B, 1, 3 * C)[..., C:2 * C]
+    x1, x2 = x.clone(), x.clone()
+    with numba():
+        r = registry.call("gated_residual", x1, g, y)
+    assert r is x1
+    ref_of("gated_residual")(x2, g, y)
+    assert torch.equal(x1, x2), "gate*y rounded then added: must match stock bit for bit"
+
+
+@pytest.mark.parametrize("B,L,C", [(2, 7, 64), (2, 3, 66)])
+def test_gated_residual_ln_modulate(B, L, C):
+    torch.manual_seed(7 + C)
+    x = rnd(B, L, C, scale=3.0)
+    y = rnd(B, L, C)
+    mod = rnd(B, 1, 6 * C)
+    g, sh, sc = mod[..., 2 * C:3 * C], mod[..., 3 * C:4 * C], mod[..., 4 * C:5 * C]
+    x1, x2 = x.clone(), x.clone()
+    with numba():
+        h1 = registry.call("gated_residual_ln_modulate", x1, g, y, sh, sc, 1e-6)
+    h2 = ref_of("gated_residual_ln_modulate")(x2, g, y, sh, sc, 1e-6)
+    assert torch.equal(x1, x2)
+    close(h1, h2)
+
+
+# ------------------------------------------------------------------------------------ gelu_tanh
+def test_gelu_tanh_into_strided_out():
+    torch.manual_seed(3)
+    B, L, C, M = 2, 5, 32, 128
+    lin1 = rnd(B, L, 3 * C + M, scale=3.0)
+    mlp = lin1[..., 3 * C:]  # row-strided input
+    buf = torch.full((B, L, C + M), float("nan"), dtype=BF, device=DEV)
+    with numba():
+        r = registry.call("gelu_tanh", mlp, out=buf[..., C:])
+    assert r.data_ptr() == buf[..., C:].data_ptr()
+    close(buf[..., C:], ref_of("gelu_tanh")(mlp), tol=1e-2)
+    assert torch.isnan(buf[..., :C]).all(), "wrote outside out"
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 40), (1, 7, 50)])
+def test_gelu_tanh_alloc(shape):
+    torch.manual_seed(4)
+    x = rnd(*shape, scale=4.0)
+    with numba():
+        y = registry.call("gelu_tanh", x)
+    close(y, ref_of("gelu_tanh")(x), tol=1e-2)
+
+
+def test_gelu_tanh_unaligned_view():
+    torch.manual_seed(5)
+    base = rnd(2, 3, 61, scale=3.0)
+    x = base[..., 1:58]  # odd offset and width: int16 scalar path
+    with numba():
+        y = registry.call("gelu_tanh", x)
+    close(y, ref_of("gelu_tanh")(x), tol=1e-2)
+    assert GT._launchers[1].kernel is not None  # scalar (int16) variant
+
+
+# ---------------------------------------------------------------------------------- qk_norm_rope
+def rope_pe(Bp, L, D, theta=10000.0):
+    pos = torch.arange(L, dtype=torch.float64)[None].expand(Bp, L) + torch.arange(Bp)[:, None] * 3
+    om = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    a = pos[..., None] * om
+    pe = torch.stack([torch.cos(a), -torch.sin(a), torch.sin(a), torch.cos(a)], -1)
+    return pe.reshape(Bp, 1, L, D // 2, 2, 2).float().to(DEV)
+
+
+def _qk_case(parts, pe, H):
+    with numba():
+        q, k, v = registry.call("qk_norm_rope", parts, pe, H, 1e-6)
+    qr, kr, vr = ref_of("qk_norm_rope")(parts, pe, H, 1e-6)
+    for o in (q, k, v):
+        assert o.is_contiguous()
+    close(q, qr)
+    close(k, kr)
+    assert torch.equal(v, vr)
+
+
+@pytest.mark.parametrize("D,pe_batch", [(32, 1), (16, 2), (64, 0)])
+def test_qk_norm_rope_two_parts(D, pe_batch):
+    torch.manual_seed(D + pe_batch)
+    B, H, L1, L2 = 2, 2, 5, 7
+    txt = rnd(B, L1, 3 * H * D, scale=2.0)
+    img = rnd(B, L2, 3 * H * D + 8)[..., :3 * H * D]  # row-strided
+    scales = [rnd(D, offset=1.0) for _ in range(4)]
+    pe = None if pe_batch == 0 else (torch.randn(pe_batch, 1, L1 + L2, D // 2, 2, 2, device=DEV) if pe_batch == 2
+                                     else rope_pe(1, L1 + L2, D))
+    _qk_case([(txt, scales[0], scales[1]), (img, scales[2], scales[3])], pe, H)
+
+
+def test_qk_norm_rope_single_strided():
+    torch.manual_seed(11)
+    B, H, D, L, M = 2, 2, 32, 9, 128
+    C = H * D
+    lin1 = rnd(B, L, 3 * C + M)
+    qs, ks = rnd(D, offset=1.0), torch.randn(D, device=DEV) + 1  # fp32 scale: rounded to bf16 like stock
+    _qk_case([(lin1[..., :3 * C], qs, ks)], rope_pe(2, L, D), H)
+
+
+def test_checks_decline_with_reason():
+    x = torch.randn(1, 3, 64, device=DEV, dtype=torch.float16)
+    sh = torch.zeros(1, 1, 64, device=DEV, dtype=torch.float16)
+    b = registry.ops["ln_modulate"].backends["numba"]
+    assert "bf16" in b.check(x, sh, sh)
+    qkv = rnd(1, 3, 3 * 2 * 24)
+    s = rnd(24)
+    assert "head dim" in registry.ops["qk_norm_rope"].backends["numba"].check([(qkv, s, s)], None, 2)
+    with pytest.raises(RuntimeError):
+        with numba():
+            registry.call("ln_modulate", x, sh, sh, 1e-6)
+
+
+# --------------------------------------------------------------------------------- block level
+class _Mod(nn.Module):
+    def __init__(self, h, mult):
+        super().__init__()
+        self.multiplier = mult
+        self.lin = nn.Linear(h, mult * h)
+
+
+class _QKNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.query_norm = nn.Module()
+        self.query_norm.scale = nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.key_norm = nn.Module()
+        self.key_norm.scale = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+
+class _Attn(nn.Module):
+    def __init__(self, h, d):
+        super().__init__()
+        self.qkv = nn.Linear(h, 3 * h)
+        self.norm = _QKNorm(d)
+        self.proj = nn.Linear(h, h)
+
+
+class TinyDouble(nn.Module):
+    def __init__(self, h=64, heads=2, mlp=128):
+        super().__init__()
+        self.num_heads = heads
+        d = h // heads
+        self.img_mod, self.txt_mod = _Mod(h, 6), _Mod(h, 6)
+        self.img_attn, self.txt_attn = _Attn(h, d), _Attn(h, d)
+        self.img_mlp = nn.Sequential(nn.Linear(h, mlp), nn.GELU(approximate="tanh"), nn.Linear(mlp, h))
+        self.txt_mlp = nn.Sequential(nn.Linear(h, mlp), nn.GELU(approximate="tanh"), nn.Linear(mlp, h))
+
+
+class TinySingle(nn.Module):
+    def __init__(self, h=64, heads=2, mlp=128):
+        super().__init__()
+        self.num_heads, self.hidden_size, self.mlp_hidden_dim = heads, h, mlp
+        self.modulation = _Mod(h, 3)
+        self.linear1 = nn.Linear(h, 3 * h + mlp)
+        self.linear2 = nn.Linear(h + mlp, h)
+        self.norm = _QKNorm(h // heads)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_blocks_fused_numba_vs_stock_torch():
+    torch.manual_seed(0)
+    h, heads, B, Lt, Li = 64, 2, 2, 5, 7
+    dbl = TinyDouble(h, heads).to(DEV, BF)
+    sgl = TinySingle(h, heads).to(DEV, BF)
+    img, txt = rnd(B, Li, h, scale=2.0), rnd(B, Lt, h, scale=2.0)
+    vec = rnd(B, h)
+    pe = rope_pe(1, Lt + Li, h // heads)
+    with torch.no_grad():
+        with registry.force("torch"):
+            ri, rt = blocks.double_block(dbl, img.clone(), txt.clone(), vec, pe, ctx=blocks.BlockContext(fused=False))
+            rx = blocks.single_block(sgl, torch.cat((rt, ri), 1), vec, pe, ctx=blocks.BlockContext(fused=False))
+            fi, ft = blocks.double_block(dbl, img.clone(), txt.clone(), vec, pe, ctx=blocks.BlockContext(fused=True))
+            fx = blocks.single_block(sgl, torch.cat((ft, fi), 1), vec, pe, ctx=blocks.BlockContext(fused=True))
+        registry.take_usage()
+        with numba():
+            ni, nt_ = blocks.double_block(dbl, img.clone(), txt.clone(), vec, pe, ctx=blocks.BlockContext(fused=True))
+            nx = blocks.single_block(sgl, torch.cat((nt_, ni), 1), vec, pe, ctx=blocks.BlockContext(fused=True))
+    used = registry.take_usage()
+    for op in FUSED_OPS:
+        assert used.get(op, {}).get("numba", 0) > 0, (op, used)
+    # vs stock order on torch, and vs the fused order on torch
+    for a, b in ((ni, ri), (nt_, rt), (nx, rx), (ni, fi), (nt_, ft), (nx, fx)):
+        assert not torch.isnan(a).any()
+        assert _rel(a, b) < 1e-2, _rel(a, b)
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
