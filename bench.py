@@ -44,6 +44,7 @@ def parse():
     p.add_argument("--no-comfy", action="store_true", help="use the standalone model even if ComfyUI is importable")
     p.add_argument("--autotune", action="store_true", default=True)
     p.add_argument("--json", default=os.path.join(ROOT, "out", "bench.json"))
+    p.add_argument("--profile", default="", help="comma list of variants to profile (one forward): top GPU kernels")
     return p.parse_args()
 
 
@@ -217,6 +218,12 @@ def main():
         del fn
         gc.collect()
 
+    for v in [v for v in a.profile.split(",") if v]:
+        try:
+            results.setdefault(v, {})["profile"] = profile_forward(forward_fn(v), v)
+        except Exception as e:
+            print(f"profile {v} failed: {type(e).__name__}: {e}")
+
     base = results.get("stock", results.get("pack-torch", {})).get("ms")
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:
@@ -235,6 +242,42 @@ def main():
         re_ = f"{100 * r['rel_err']:.2f}%" if "rel_err" in r else "-"
         tr = f"{r['traj_psnr_db']:.1f}" if "traj_psnr_db" in r else "-"
         print(f"{v:<12} {r['ms']:>9.2f} {ratio:>9} {pk:>8} {re_:>8} {tr:>8}")
+
+
+def category(name):
+    n = name.lower()
+    if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "gemv", "splitk")):
+        return "gemm"
+    if any(k in n for k in ("flash", "fmha", "cudnn", "attention", "sdpa", "_attn")):
+        return "attention"
+    if "cudapy" in n or "numba" in n:
+        return "numba"
+    return "other"
+
+
+def profile_forward(fn, label, top=22):
+    """GPU time per kernel for one forward (torch.profiler), grouped; printed and returned."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn(); torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(); torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        r = rows.setdefault(e.name, [0.0, 0])
+        r[0] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
+        r[1] += 1
+    cats = {}
+    for n, (ms, c) in rows.items():
+        cats[category(n)] = cats.get(category(n), 0.0) + ms
+    total = sum(cats.values())
+    print(f"\nprofile {label}: GPU kernel time {total:.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1])))
+    for n, (ms, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {ms:8.3f} ms {c:5d}x  [{category(n)}] {n[:110]}")
+    return {"total_ms": total, "categories": cats,
+            "top": [(n[:160], ms, c) for n, (ms, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]]}
 
 
 def _ref_call(ref, x, t, ctx, y, g, registry, BlockContext):

@@ -185,7 +185,6 @@ def make_qk_kernel():
 
 _launcher = ik.Launcher(make_qk_kernel)
 _scale_cache = {}
-_pe_cache = {}
 _dummy_pe = {}
 
 
@@ -233,15 +232,30 @@ def check(parts, pe, num_heads: int, eps: float = 1e-6):
     return None
 
 
+def _version(t):
+    """Version counter, or None for inference-mode tensors (ComfyUI runs nodes under
+    torch.inference_mode(); its models are loaded there too, so even weights have none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _scales(parts, device):
-    key = tuple((s.data_ptr(), s._version, str(s.dtype)) for p in parts for s in p[1:])
-    hit = _scale_cache.get(key)
+    # cached per (storage, version): the cache holds the sources, so an address cannot be reused;
+    # without a version counter an in-place update (a LoRA on the norm scales) could go unseen,
+    # so such scales are prepared afresh on every call (4 tiny ops).
+    vers = [_version(s) for p in parts for s in p[1:]]
+    key = None if None in vers else tuple((s.data_ptr(), v, str(s.dtype)) for s, v in zip([s for p in parts for s in p[1:]], vers))
+    hit = _scale_cache.get(key) if key is not None else None
     if hit is None:
         rows = [torch.stack([p[1].reshape(-1), p[2].reshape(-1)]) for p in parts]
         if len(rows) == 1:
             rows.append(rows[0])
         # the reference casts the scale to bf16 before multiplying: do the same rounding once
         sc = torch.stack(rows).to(device=device, dtype=torch.bfloat16).float().contiguous()
+        if key is None:
+            return sc
         if len(_scale_cache) > 512:
             _scale_cache.clear()
         hit = _scale_cache[key] = (sc, [p[1:] for p in parts])  # keep sources alive
@@ -254,15 +268,10 @@ def _pe_arr(pe, D, device):
         if d is None:
             d = _dummy_pe[device] = torch.zeros((1, 1, 1, 2), dtype=torch.int64, device=device)
         return d
-    key = (pe.data_ptr(), pe._version, tuple(pe.shape), tuple(pe.stride()))
-    hit = _pe_cache.get(key)
-    if hit is None:
-        Bp, Lt = pe.shape[0], pe.shape[2]
-        pw = pe.reshape(Bp, Lt, D // 2, 4).contiguous().view(torch.int64)
-        if len(_pe_cache) > 4:
-            _pe_cache.clear()
-        hit = _pe_cache[key] = (pw, pe)
-    return hit[0]
+    Bp, Lt = pe.shape[0], pe.shape[2]
+    # a free view for the contiguous pe ComfyUI and flux_core make (no cache: pe is new each step,
+    # and an inference-mode tensor has no version counter to validate a cached copy with)
+    return pe.reshape(Bp, Lt, D // 2, 4).contiguous().view(torch.int64)
 
 
 def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6):

@@ -52,13 +52,14 @@ class BlockContext:
         return registry.call("attention", q, k, v, mask, out=out)
 
     def silu(self, vec):
-        """SiLU(vec) computed once per forward (vec is shared by every block of a step)."""
-        key = (vec.data_ptr(), vec._version, tuple(vec.shape), vec.dtype)
-        hit = self.silu_cache.get(key)
-        if hit is None:
-            self.silu_cache.clear()
-            hit = self.silu_cache[key] = F.silu(vec if vec.ndim == 3 else vec[:, None, :])
-        return hit
+        """SiLU(vec) computed once per forward (the same vec object feeds every block of a step).
+
+        Keyed on the object itself, held by the cache so its id cannot be reused; not on
+        data_ptr/_version (inference-mode tensors, as in ComfyUI, have no version counter)."""
+        hit = self.silu_cache.get("vec")
+        if hit is None or hit[0] is not vec:
+            hit = self.silu_cache["vec"] = (vec, F.silu(vec if vec.ndim == 3 else vec[:, None, :]))
+        return hit[1]
 
 
 def plain_weights(lin, x):

@@ -279,3 +279,30 @@ def test_blocks_fused_numba_vs_stock_torch():
         assert not torch.isnan(a).any()
         assert _rel(a, b) < 1e-2, _rel(a, b)
         torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_qk_norm_rope_under_inference_mode_sees_inplace_scale_updates():
+    """ComfyUI runs (and loads models) under torch.inference_mode(): no version counters.
+    The numba path must run there, and an in-place change of a norm scale (LoRA) must be seen."""
+    from flux_numba_pack.cuda_kernels import registry, qk_norm_rope
+    from flux_numba_pack.flux_core.blocks import BlockContext
+    with torch.inference_mode():
+        B, L, H, D = 1, 5, 2, 16
+        qkv = torch.randn(B, L, 3 * H * D).bfloat16()
+        qs, ks = torch.ones(D).bfloat16(), torch.ones(D).bfloat16()
+        pe = torch.randn(1, 1, L, D // 2, 2, 2)
+        registry.strict = True
+        try:
+            with registry.force("numba"):
+                q1, _, _ = registry.call("qk_norm_rope", [(qkv, qs, ks)], pe, H, 1e-6)
+                qs.mul_(2)  # in place, no version bump in inference mode
+                q2, _, _ = registry.call("qk_norm_rope", [(qkv, qs, ks)], pe, H, 1e-6)
+        finally:
+            registry.strict = False
+        ref2, _, _ = qk_norm_rope.reference([(qkv, qs, ks)], pe, H, 1e-6)
+        assert torch.allclose(q2.float(), ref2.float(), atol=0.05, rtol=0.02)
+        assert not torch.allclose(q1.float(), q2.float())
+        ctx = BlockContext()
+        v1, v2 = torch.randn(1, 8), torch.randn(1, 8)
+        assert torch.equal(ctx.silu(v1), torch.nn.functional.silu(v1)[:, None])
+        assert torch.equal(ctx.silu(v2), torch.nn.functional.silu(v2)[:, None])

@@ -1,0 +1,430 @@
+"""Warp-level tensor-core helpers for Numba-CUDA (mma.sync, ldmatrix, cp.async, quad shuffles).
+
+Real path (a GPU, sm_80+): ``@intrinsic`` functions emitting llvmlite inline PTX; under LTO they
+inline into the kernel.  Simulator path (``NUMBA_ENABLE_CUDASIM=1``): plain-Python device
+functions with the SAME fragment layout, so a kernel's indexing / softmax logic runs unchanged on
+tiny shapes in CI.  In the simulator every thread is a Python thread, so a warp-collective op
+(mma, ldmatrix, shuffle) is emulated by each lane writing its operands into a per-block shared
+scratch ``scr`` (int32, ``SCR_WORDS`` words; ``scrf`` float32, ``SCRF_WORDS``), a
+``syncthreads``, each lane reading what it needs, and another ``syncthreads``.  That is only
+faithful when the whole block calls the helper uniformly (which a ``.sync.aligned`` op requires
+of a warp anyway): kernels using these helpers must keep mma/ldmatrix/quad_* in block-uniform
+control flow.  On the GPU ``scr``/``scrf`` are ignored: kernels allocate them with the size
+constants below (1 word on the GPU, so they cost nothing).
+
+Layouts (m16n8k16, g = lane // 4, t = lane % 4; a 32-bit register holds two 16-bit values,
+the lower index in the low half):
+  A (16x16, row): a0 = A[g, 2t:2t+2], a1 = A[g+8, 2t:2t+2], a2 = A[g, 2t+8:2t+10], a3 = A[g+8, 2t+8:2t+10]
+  B (16x8, col) : b0 = B[2t:2t+2, g], b1 = B[2t+8:2t+10, g]
+  C/D (16x8 f32): d0, d1 = D[g, 2t:2t+2], d2, d3 = D[g+8, 2t:2t+2]
+m16n8k32 s8 (4 bytes per register, lowest index in the lowest byte; C/D s32 as above):
+  a0 = A[g, 4t:4t+4], a1 = A[g+8, 4t:4t+4], a2 = A[g, 4t+16:4t+20], a3 = A[g+8, 4t+16:4t+20]
+  b0 = B[4t:4t+4, g], b1 = B[4t+16:4t+20, g]
+  (ldmatrix on int8 rows viewed as 16-bit pairs yields exactly these A / B registers.)
+ldmatrix.x4: lane l gives the address of row l % 8 of matrix l // 8 (16 bytes, 16-byte aligned);
+register j of lane l = matrix j, row l // 4, 16-bit columns 2(l%4), 2(l%4)+1.  With .trans,
+register j = matrix j, column l // 4, rows 2(l%4), 2(l%4)+1.
+Shared arrays are 1-D int32 (word) arrays; shared addresses are 32-bit byte addresses.
+
+Helpers (same signatures on both paths):
+  mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr) -> (d0, d1, d2, d3)   m16n8k16, fp32 acc
+  mma_f16(...)  same with fp16 operands;  mma_s8(...) m16n8k32 int8 operands, int32 accumulators
+  smem_base(sm) -> int32                     shared-window byte address of sm[0] (0 in the simulator);
+                                             helpers below take ``smem_base(sm) + 4 * word``
+  ldsm_x4(sm, addr, scr) / ldsm_x4_t(sm, addr, scr) -> (r0, r1, r2, r3)      int32 registers
+  cp_async16(sm, saddr, gm, gword, nbytes)   16-byte global->shared copy, zero-filled past nbytes
+                                             (0 or 16); gm: 1-D int32 global array
+  cp_commit(), cp_wait0(), cp_wait1()         cp.async group control
+  quad_max(x, scrf) / quad_sum(x, scrf)       reduce over the 4 lanes of a quad (xor 1, 2)
+  pack_bf16(lo, hi) / pack_f16(lo, hi) -> int32   two fp32 -> bf16x2 / f16x2, round to nearest even
+  bf16_lo(w) / bf16_hi(w) -> float32          unpack
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, int32
+
+from . import runtime
+
+SIMULATOR = runtime.SIMULATOR
+
+# scratch sizes a kernel must allocate (per block) for the simulator fallbacks
+MAX_THREADS = 256
+SCR_WORDS = 2 * MAX_THREADS * 6 if SIMULATOR else 1
+SCRF_WORDS = 2 * MAX_THREADS if SIMULATOR else 1
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _i32 = ir.IntType(32)
+    _i64 = ir.IntType(64)
+    _f32 = ir.FloatType()
+
+    def _ptr(context, builder, aryty, ary, idxty, idx):
+        """Generic pointer to element ``idx`` of a 1-D array."""
+        a = context.make_array(aryty)(context, builder, value=ary)
+        idx = context.cast(builder, idx, idxty, types.intp)
+        return cgutils.get_item_pointer(context, builder, aryty, a, [idx], wraparound=False)
+
+    def _smem_addr(context, builder, aryty, ary, idxty, idx):
+        """32-bit shared-window address of element ``idx`` of a shared 1-D array."""
+        p = _ptr(context, builder, aryty, ary, idxty, idx)
+        g = builder.ptrtoint(p, _i64)
+        cvta = ir.InlineAsm(ir.FunctionType(_i64, [_i64]), "cvta.to.shared.u64 $0, $1;", "=l,l")
+        return builder.trunc(builder.call(cvta, [g]), _i32)
+
+    def _mma(shape_types, acc):
+        """mma.sync intrinsic: 4 A regs, 2 B regs (int32), 4 accumulators (f32 or s32)."""
+        nty, lty, cons = (types.float32, _f32, "f") if acc == "f32" else (types.int32, _i32, "r")
+        text = ("mma.sync.aligned." + shape_types +
+                " {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+        @intrinsic
+        def _impl(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            sig = types.UniTuple(nty, 4)(types.int32, types.int32, types.int32, types.int32,
+                                         types.int32, types.int32, nty, nty, nty, nty)
+
+            def codegen(context, builder, s, args):
+                args = [context.cast(builder, v, t, st) for v, t, st in zip(args, s.args, sig.args)]
+                rty = ir.LiteralStructType([lty] * 4)
+                fnty = ir.FunctionType(rty, [_i32] * 6 + [lty] * 4)
+                asm = ir.InlineAsm(fnty, text, ",".join(["=" + cons] * 4 + ["r"] * 6 + [cons] * 4))
+                r = builder.call(asm, args)
+                return context.make_tuple(builder, s.return_type, [builder.extract_value(r, i) for i in range(4)])
+
+            return sig, codegen
+        return _impl
+
+    _mma_bf16 = _mma("m16n8k16.row.col.f32.bf16.bf16.f32", "f32")
+    _mma_f16 = _mma("m16n8k16.row.col.f32.f16.f16.f32", "f32")
+    _mma_s8 = _mma("m16n8k32.row.col.s32.s8.s8.s32", "s32")
+
+    def _ldsm(trans):
+        inst = "ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "") + ".shared.b16"
+
+        @intrinsic
+        def _impl(typingctx, addr):
+            sig = types.UniTuple(types.int32, 4)(addr)
+
+            def codegen(context, builder, s, args):
+                addr = context.cast(builder, args[0], s.args[0], types.int32)
+                rty = ir.LiteralStructType([_i32] * 4)
+                asm = ir.InlineAsm(ir.FunctionType(rty, [_i32]), inst + " {$0, $1, $2, $3}, [$4];",
+                                   "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+                r = builder.call(asm, [addr])
+                return context.make_tuple(builder, s.return_type,
+                                          [builder.extract_value(r, i) for i in range(4)])
+
+            return sig, codegen
+        return _impl
+
+    _ldsm_n = _ldsm(False)
+    _ldsm_t = _ldsm(True)
+
+    @intrinsic
+    def _smem_base(typingctx, sm):
+        sig = types.int32(sm)
+
+        def codegen(context, builder, s, args):
+            return _smem_addr(context, builder, s.args[0], args[0], types.intp, context.get_constant(types.intp, 0))
+
+        return sig, codegen
+
+    @intrinsic
+    def _cp_async16(typingctx, saddr, gm, gword, nbytes):
+        sig = types.void(saddr, gm, gword, nbytes)
+
+        def codegen(context, builder, s, args):
+            saddr = context.cast(builder, args[0], s.args[0], types.int32)
+            gp = builder.ptrtoint(_ptr(context, builder, s.args[1], args[1], s.args[2], args[2]), _i64)
+            n = context.cast(builder, args[3], s.args[3], types.int32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i64, _i32]),
+                               "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [saddr, gp, n])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _asm_void(text):
+        @intrinsic
+        def _impl(typingctx):
+            sig = types.void()
+
+            def codegen(context, builder, s, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True)
+                builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return sig, codegen
+        return _impl
+
+    _cp_commit = _asm_void("cp.async.commit_group;")
+    _cp_wait0 = _asm_void("cp.async.wait_group 0;")
+    _cp_wait1 = _asm_void("cp.async.wait_group 1;")
+
+    def _pack2(fmt):
+        @intrinsic
+        def _impl(typingctx, lo, hi):
+            def codegen(context, builder, s, args):
+                lo_ = context.cast(builder, args[0], s.args[0], types.float32)
+                hi_ = context.cast(builder, args[1], s.args[1], types.float32)
+                asm = ir.InlineAsm(ir.FunctionType(_i32, [_f32, _f32]), f"cvt.rn.{fmt}.f32 $0, $2, $1;", "=r,f,f")
+                return builder.call(asm, [lo_, hi_])
+
+            return types.int32(lo, hi), codegen
+        return _impl
+
+    _pack_bf16 = _pack2("bf16x2")
+    _pack_f16 = _pack2("f16x2")
+
+    @intrinsic
+    def _bits_f32(typingctx, w):
+        sig = types.float32(w)
+
+        def codegen(context, builder, s, args):
+            v = context.cast(builder, args[0], s.args[0], types.int32)
+            return builder.bitcast(v, _f32)
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr):
+        return _mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+    @cuda.jit(device=True, inline=True)
+    def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr):
+        return _mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+    @cuda.jit(device=True, inline=True)
+    def mma_s8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr):
+        return _mma_s8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+    @cuda.jit(device=True, inline=True)
+    def smem_base(sm):
+        return _smem_base(sm)
+
+    @cuda.jit(device=True, inline=True)
+    def ldsm_x4(sm, addr, scr):
+        return _ldsm_n(addr)
+
+    @cuda.jit(device=True, inline=True)
+    def ldsm_x4_t(sm, addr, scr):
+        return _ldsm_t(addr)
+
+    @cuda.jit(device=True, inline=True)
+    def cp_async16(sm, saddr, gm, gword, nbytes):
+        _cp_async16(saddr, gm, gword, nbytes)
+
+    @cuda.jit(device=True, inline=True)
+    def cp_commit():
+        _cp_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def cp_wait0():
+        _cp_wait0()
+
+    @cuda.jit(device=True, inline=True)
+    def cp_wait1():
+        _cp_wait1()
+
+    @cuda.jit(device=True, inline=True)
+    def quad_max(x, scrf):
+        x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 1))
+        return max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 2))
+
+    @cuda.jit(device=True, inline=True)
+    def quad_sum(x, scrf):
+        x = x + cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
+        return x + cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
+
+    @cuda.jit(device=True, inline=True)
+    def pack_bf16(lo, hi):
+        return _pack_bf16(lo, hi)
+
+    @cuda.jit(device=True, inline=True)
+    def pack_f16(lo, hi):
+        return _pack_f16(lo, hi)
+
+    @cuda.jit(device=True, inline=True)
+    def bf16_lo(w):
+        return _bits_f32(w << 16)
+
+    @cuda.jit(device=True, inline=True)
+    def bf16_hi(w):
+        return _bits_f32(w & int32(-65536))
+
+else:
+    # ------------------------------------------------------------------ simulator fallbacks
+    def _f32_to_bf16_bits(x):
+        u = int(np.array(x, dtype=np.float32).view(np.uint32))
+        if (u & 0x7FFFFFFF) > 0x7F800000:  # NaN
+            return 0x7FC0
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+    def _bits_to_f32(u16):
+        return float(np.array((int(u16) & 0xFFFF) << 16, dtype=np.uint32).view(np.float32))
+
+    def _s32(u):
+        u &= 0xFFFFFFFF
+        return u - (1 << 32) if u >= (1 << 31) else u
+
+    def _half(w, i):
+        return (int(w) >> (16 * i)) & 0xFFFF
+
+    def _tid():
+        return cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+
+    import threading
+
+    # where each element of a warp's A (16 x K) / B (K x 8) lives: word = lane * 6 + register,
+    # shift = which bits (the fragment layouts in the module docstring); E = elements per register
+    def _tables(E):
+        K = 8 * E  # 16 for 16-bit types, 32 for 8-bit
+        m, k = np.meshgrid(np.arange(16), np.arange(K), indexing="ij")
+        aw = ((m % 8) * 4 + (k % (K // 2)) // E) * 6 + (m // 8) + 2 * (k // (K // 2))
+        ash = ((32 // E) * (k % E)).astype(np.uint32)
+        k, n = np.meshgrid(np.arange(K), np.arange(8), indexing="ij")
+        bw = (n * 4 + (k % (K // 2)) // E) * 6 + 4 + k // (K // 2)
+        bsh = ((32 // E) * (k % E)).astype(np.uint32)
+        return aw, ash, bw, bsh
+
+    _T16 = _tables(2)
+    _T8 = _tables(4)
+
+    def _slot(words_per_block):
+        """Alternate between two scratch halves: a helper call needs one barrier, not two (the
+        next call's barrier orders this call's reads before the half is written again)."""
+        th = threading.current_thread()
+        p = getattr(th, "_mma_par", 0)
+        th._mma_par = p ^ 1
+        return p * words_per_block
+
+    def _decode(words, idx, shift, kind):
+        u = (words[idx] >> shift)
+        if kind == "bf16":
+            return ((u & np.uint32(0xFFFF)) << np.uint32(16)).view(np.float32).astype(np.float64)
+        if kind == "f16":
+            return (u & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16).astype(np.float64)
+        return (u & np.uint32(0xFF)).astype(np.uint8).view(np.int8).astype(np.int64)
+
+    def _mma_sim(regs, cs, scr, kind):
+        tid = _tid()
+        lane = tid % 32
+        base = _slot(MAX_THREADS * 6) + (tid - lane) * 6
+        w = base + lane * 6
+        for i in range(6):
+            scr[w + i] = regs[i]
+        cuda.syncthreads()
+        words = np.asarray(scr[base:base + 192]).astype(np.int64).astype(np.uint32)
+        aw, ash, bw, bsh = _T8 if kind == "s8" else _T16
+        a = _decode(words, aw, ash, kind)
+        b = _decode(words, bw, bsh, kind)
+        g, t = lane // 4, lane % 4
+        r0 = a[g] @ b[:, 2 * t:2 * t + 2]
+        r1 = a[g + 8] @ b[:, 2 * t:2 * t + 2]
+        r = (cs[0] + r0[0], cs[1] + r0[1], cs[2] + r1[0], cs[3] + r1[1])
+        if kind == "s8":
+            return tuple(_s32(int(x)) for x in r)
+        return tuple(np.float32(x) for x in r)
+
+    @cuda.jit(device=True)
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr):
+        return _mma_sim((a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3), scr, "bf16")
+
+    @cuda.jit(device=True)
+    def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr):
+        return _mma_sim((a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3), scr, "f16")
+
+    @cuda.jit(device=True)
+    def mma_s8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr):
+        return _mma_sim((a0, a1, a2, a3, b0, b1), (int(c0), int(c1), int(c2), int(c3)), scr, "s8")
+
+    def _ldsm_sim(sm, addr, scr, trans):
+        tid = _tid()
+        lane = tid % 32
+        base = _slot(MAX_THREADS * 6) + tid - lane
+        assert addr % 16 == 0, "ldmatrix row address must be 16-byte aligned"
+        scr[base + lane] = addr // 4
+        cuda.syncthreads()
+        g, t = lane // 4, lane % 4
+        out = []
+        for j in range(4):
+            if not trans:
+                out.append(_s32(int(sm[scr[base + j * 8 + g] + t])))
+            else:  # column g of matrix j, rows 2t and 2t+1
+                r0 = sm[scr[base + j * 8 + 2 * t] + g // 2]
+                r1 = sm[scr[base + j * 8 + 2 * t + 1] + g // 2]
+                out.append(_s32(_half(r0, g % 2) | (_half(r1, g % 2) << 16)))
+        return out[0], out[1], out[2], out[3]
+
+    @cuda.jit(device=True)
+    def smem_base(sm):
+        return 0
+
+    @cuda.jit(device=True)
+    def ldsm_x4(sm, addr, scr):
+        return _ldsm_sim(sm, addr, scr, False)
+
+    @cuda.jit(device=True)
+    def ldsm_x4_t(sm, addr, scr):
+        return _ldsm_sim(sm, addr, scr, True)
+
+    @cuda.jit(device=True)
+    def cp_async16(sm, saddr, gm, gword, nbytes):
+        assert saddr % 16 == 0 and gword % 4 == 0, "cp.async 16 needs 16-byte alignment"
+        for i in range(4):
+            sm[saddr // 4 + i] = gm[gword + i] if nbytes > 0 else 0
+
+    @cuda.jit(device=True)
+    def cp_commit():
+        pass
+
+    @cuda.jit(device=True)
+    def cp_wait0():
+        pass
+
+    @cuda.jit(device=True)
+    def cp_wait1():
+        pass
+
+    def _quad(x, scrf, op):
+        tid = _tid()
+        lane = tid % 32
+        base = _slot(MAX_THREADS) + tid - lane
+        scrf[base + lane] = x
+        cuda.syncthreads()
+        q = base + (lane // 4) * 4
+        vals = [scrf[q + i] for i in range(4)]
+        # same association as the xor-1 then xor-2 butterfly
+        return np.float32(op(op(vals[0], vals[1]), op(vals[2], vals[3])))
+
+    @cuda.jit(device=True)
+    def quad_max(x, scrf):
+        return _quad(x, scrf, max)
+
+    @cuda.jit(device=True)
+    def quad_sum(x, scrf):
+        return _quad(x, scrf, lambda a, b: np.float32(a) + np.float32(b))
+
+    @cuda.jit(device=True)
+    def pack_bf16(lo, hi):
+        return _s32(_f32_to_bf16_bits(lo) | (_f32_to_bf16_bits(hi) << 16))
+
+    def _f16_bits(x):
+        return int(np.array(np.float32(x)).astype(np.float16).view(np.uint16))
+
+    @cuda.jit(device=True)
+    def pack_f16(lo, hi):
+        return _s32(_f16_bits(lo) | (_f16_bits(hi) << 16))
+
+    @cuda.jit(device=True)
+    def bf16_lo(w):
+        return np.float32(_bits_to_f32(_half(w, 0)))
+
+    @cuda.jit(device=True)
+    def bf16_hi(w):
+        return np.float32(_bits_to_f32(_half(w, 1)))
