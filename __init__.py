@@ -1,0 +1,49 @@
+"""ComfyUI entry point of the FLUX Numba pack (custom_nodes/<this folder>/__init__.py).
+
+numba-cuda's import redirector intercepts every module whose dotted name contains "numba.cuda"
+and recurses forever.  ComfyUI imports this file under a name derived from the folder (the full
+path with "." -> "_x_"), so a clone folder ending in "numba" (e.g. ``comfyui-flux-numba``) would
+make ``<name>.cuda_kernels`` such a name.  In that case the pack root is registered under a safe
+alias package and everything below it is imported through the alias.
+"""
+import hashlib
+import importlib
+import os
+import sys
+import types
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+WEB_DIRECTORY = "./web"
+ALIAS = "flux_numba_pack"
+
+
+def _unsafe(name: str) -> bool:
+    return "numba.cuda" in name + ".cuda_kernels"
+
+
+def _package_name(name: str) -> str:
+    """The package name subpackages are imported under: ``name`` itself when safe, else an alias."""
+    if not _unsafe(name):
+        return name
+    alias = ALIAS
+    mod = sys.modules.get(alias)
+    if mod is not None and [os.path.abspath(p) for p in getattr(mod, "__path__", [])] != [ROOT]:
+        alias = f"{ALIAS}_{hashlib.sha1(ROOT.encode()).hexdigest()[:10]}"
+        mod = sys.modules.get(alias)
+    if mod is None:
+        mod = types.ModuleType(alias)
+        mod.__path__ = [ROOT]
+        mod.__file__ = os.path.join(ROOT, "__init__.py")
+        mod.__package__ = alias
+        mod.ROOT = ROOT
+        sys.modules[alias] = mod
+    return alias
+
+
+PACKAGE = _package_name(__name__)
+_nodes = importlib.import_module(PACKAGE + ".nodes")
+
+NODE_CLASS_MAPPINGS = _nodes.NODE_CLASS_MAPPINGS
+NODE_DISPLAY_NAME_MAPPINGS = _nodes.NODE_DISPLAY_NAME_MAPPINGS
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

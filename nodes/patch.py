@@ -1,0 +1,465 @@
+"""FluxNumbaPatch: MODEL -> MODEL, every FLUX.1 block through ``flux_core.blocks``.
+
+Only ComfyUI's per-model mechanisms are used: the node clones the ModelPatcher (the input model
+is never touched) and installs ``set_model_patch_replace(fn, "dit", "double_block"|"single_block", i)``
+entries in the clone's ``model_options``.  Nothing global is patched, so unpatching is ComfyUI's
+own business: the original ModelPatcher (and every clone made before this node) runs stock.
+
+Per block call ``fn(args, extra)``:
+  * the block module is the one ComfyUI is running right now: the ``block`` cell of
+    ``extra["original_block"]`` (``forward_orig``'s loop variable -- correct with clones, object
+    patches and torch.compile wrappers), else ``diffusion_model.{double,single}_blocks.{i}`` read
+    from the model at call time (never a stale module captured at patch time).  Low-VRAM offloading
+    keeps working because the block's Linear layers are called as modules (ComfyUI casts/moves
+    their weights per call) and norm scales are moved to the activations' device by the ops;
+  * the op policy (backend / attention / route_norms) is applied with ``registry.force(...)`` only
+    while this model's block runs, so two differently patched models in one graph don't interfere;
+  * bad input (a non-FLUX.1 block, unexpected shapes/dtypes, an exception inside our path) is
+    logged once with the reason and that call runs ComfyUI's original block.  The first call of
+    each input signature keeps a copy of img/txt so a failure after an in-place update is undone;
+    OOM is re-raised so ComfyUI's own OOM handling sees it.
+
+Pass-through: with no usable CUDA GPU / numba the node logs why and returns the clone unpatched,
+unless backend is "torch" (the A/B baseline) or FLUX_NUMBA_SIMULATOR_OK=1 (CPU tests).
+``model_options["transformer_options"]["flux_numba"]`` describes what was done (for the step timer).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import weakref
+from typing import Optional
+
+log = logging.getLogger("flux_numba")
+
+PROFILES = ["exact", "stock-order"]
+ATTENTIONS = ["auto", "sdpa", "numba-bf16", "numba-8bit"]
+BACKENDS = ["auto", "torch", "numba"]
+
+# registry backend names of the attention kernels (cuda_kernels/attention*.py register these)
+ATTENTION_BACKEND = {"numba-bf16": "numba", "numba-8bit": "numba-8bit"}
+ATTENTION_OP = "attention"
+REFERENCE_NAME = "torch"  # the registry's reference backend
+INFO_KEY = "flux_numba"
+
+# patch id -> live counters (calls, fallbacks, reasons); the step timer may read ``stats(id)``
+_STATS = {}
+_ids = itertools.count(1)
+
+
+def stats(patch_id: int) -> dict:
+    return _STATS.get(patch_id, {})
+
+
+def _simulator_ok() -> bool:
+    return os.environ.get("FLUX_NUMBA_SIMULATOR_OK", "") == "1"
+
+
+def _pack():
+    """The pack's flux_core.blocks / cuda_kernels modules (relative imports, lazily)."""
+    from ..flux_core import blocks
+    from ..cuda_kernels import registry, runtime  # ``registry`` is the OpRegistry instance
+    return blocks, registry, runtime
+
+
+def _is_oom(e: BaseException) -> bool:
+    try:
+        import comfy.model_management as mm
+        if isinstance(e, mm.OOM_EXCEPTION):
+            return True
+    except Exception:
+        pass
+    import torch
+    return isinstance(e, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(e).lower()
+
+
+# ----------------------------------------------------------------------------- checks
+def unavailable_reason(model_patcher, backend: str) -> Optional[str]:
+    """None when the numba path may run for this model; else why the node passes through."""
+    if backend == "torch" or _simulator_ok():
+        return None
+    try:
+        _, _, runtime = _pack()
+    except Exception as e:
+        return f"the pack's kernels failed to import ({type(e).__name__}: {e})"
+    why = runtime.numba_status()
+    if why:
+        return f"numba-cuda unusable: {why}"
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
+    dev = getattr(model_patcher, "load_device", None)
+    if dev is None or getattr(dev, "type", str(dev)) != "cuda":
+        return f"the model runs on {dev}, the numba kernels need a CUDA device"
+    return None
+
+
+def _gelu_tanh(m) -> bool:
+    import torch
+    return isinstance(m, torch.nn.GELU) and getattr(m, "approximate", "none") == "tanh"
+
+
+def block_problem(kind: str, blk) -> Optional[str]:
+    """None when ``blk`` is a stock FLUX.1 block that flux_core.blocks computes exactly."""
+    from comfy.ldm.flux import layers
+    if kind == "double":
+        if type(blk) is not layers.DoubleStreamBlock:
+            return f"double block is {type(blk).__name__}, not comfy.ldm.flux DoubleStreamBlock"
+        if not getattr(blk, "modulation", False):
+            return "double block without its own modulation (FLUX.2/Chroma style)"
+        if getattr(blk, "flipped_img_txt", False):
+            return "double block with flipped img/txt order"
+        for name in ("img_mlp", "txt_mlp"):
+            mlp = getattr(blk, name, None)
+            if not (hasattr(mlp, "__getitem__") and len(mlp) == 3 and _gelu_tanh(mlp[1])):
+                return f"double block {name} is not Linear-GELU(tanh)-Linear"
+        return None
+    if type(blk) is not layers.SingleStreamBlock:
+        return f"single block is {type(blk).__name__}, not comfy.ldm.flux SingleStreamBlock"
+    if getattr(blk, "modulation", None) is None:
+        return "single block without its own modulation (FLUX.2/Chroma style)"
+    if getattr(blk, "yak_mlp", False) or not _gelu_tanh(getattr(blk, "mlp_act", None)) \
+            or blk.mlp_hidden_dim_first != blk.mlp_hidden_dim:
+        return "single block MLP is not GELU(tanh)"
+    return None
+
+
+def _input_problem(kind, blk, args) -> Optional[str]:
+    import torch
+    C = blk.hidden_size
+    img, vec = args.get("img"), args.get("vec")
+    streams = [("img", img)] + ([("txt", args.get("txt"))] if kind == "double" else [])
+    for name, t in streams:
+        if not isinstance(t, torch.Tensor) or t.ndim != 3 or t.shape[-1] != C:
+            return f"{name} is {_desc(t)}, expected [B, L, {C}]"
+        if not t.is_floating_point():
+            return f"{name} has dtype {t.dtype}"
+    if not isinstance(vec, torch.Tensor) or vec.ndim not in (2, 3) or vec.shape[-1] != C:
+        return f"vec is {_desc(vec)}, expected [B, {C}]"
+    if vec.shape[0] not in (1, img.shape[0]):
+        return f"vec batch {vec.shape[0]} vs img batch {img.shape[0]}"
+    pe = args.get("pe")
+    if pe is not None:
+        L = img.shape[1] + (args["txt"].shape[1] if kind == "double" else 0)
+        D = C // blk.num_heads
+        if not isinstance(pe, torch.Tensor) or pe.ndim != 6 or pe.shape[2] != L or pe.shape[3] != D // 2:
+            return f"pe is {_desc(pe)}, expected [B, 1, {L}, {D // 2}, 2, 2]"
+    return None
+
+
+def _desc(t):
+    if hasattr(t, "shape"):
+        return f"{tuple(t.shape)} {getattr(t, 'dtype', '')}"
+    return type(t).__name__
+
+
+def _resolve_block(kind, index, extra, model_ref):
+    """The block ComfyUI would run for this call (see the module docstring)."""
+    import torch
+    wrap = (extra or {}).get("original_block")
+    for cell in (getattr(wrap, "__closure__", None) or ()):
+        try:
+            c = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(c, torch.nn.Module):
+            return c
+    base = model_ref() if model_ref is not None else None
+    if base is None:
+        return None
+    import comfy.utils
+    try:
+        return comfy.utils.get_attr(base, f"diffusion_model.{kind}_blocks.{index}")
+    except Exception:
+        return None
+
+
+def _safe_version(t):
+    try:
+        return t._version
+    except Exception:  # inference tensors have no version counter
+        return None
+
+
+# ----------------------------------------------------------------------------- runner
+class _Runner:
+    """Shared by all block functions of one patch (and every later clone of the patched model)."""
+
+    def __init__(self, options: dict, model_ref, patch_id: int):
+        blocks, registry, _ = _pack()
+        self.blocks = blocks
+        self.registry = registry
+        self.opts = dict(options)
+        self.model_ref = model_ref
+        self.fused = options["profile"] == "exact"
+        self.policy, self.attn_route = self._policy(options, registry)
+        self.block_ok = {}  # id(block) -> (weakref(block), reason or None)
+        self.proven = set()  # input signatures that ran through our path once
+        self.attn_choice = {}  # attention "auto": input signature -> backend the registry chose
+        self.logged = set()
+        self.vec = None  # vec of the forward in progress (identity) and its SiLU cache
+        self.silu_cache = {}
+        while len(_STATS) >= 256:  # keep the counters of recent patches only
+            _STATS.pop(next(iter(_STATS)))
+        self.stats = _STATS.setdefault(patch_id, {"calls": 0, "fallbacks": 0, "reasons": {}})
+        ctx_cls = blocks.BlockContext
+
+        class _Ctx(ctx_cls):
+            """BlockContext whose SiLU(vec) cache is keyed on the vec object (inference tensors
+            have no version counter, and a freed vec's address can be reused next step)."""
+
+            def silu(ctx_self, vec):
+                import torch.nn.functional as F
+                if self.vec is not vec:
+                    self.vec = vec
+                    self.silu_cache = {}
+                hit = self.silu_cache.get("silu")
+                if hit is None:
+                    hit = self.silu_cache["silu"] = F.silu(vec if vec.ndim == 3 else vec[:, None, :])
+                return hit
+        self.ctx_cls = _Ctx
+
+    @staticmethod
+    def _policy(o, registry):
+        pol = {}
+        if o["backend"] == "torch":
+            pol["*"] = "torch"
+        elif o["backend"] == "numba":
+            pol["*"] = "numba"
+        if not o["route_norms"]:
+            for name in registry.ops:
+                if name != ATTENTION_OP:
+                    pol[name] = "torch"
+        a = o["attention"]
+        if a in ATTENTION_BACKEND:
+            pol[ATTENTION_OP] = ATTENTION_BACKEND[a]
+            route = "registry"
+        elif a == "sdpa" or o["backend"] == "torch":
+            route = "comfy"
+        elif o["backend"] == "numba":
+            pol[ATTENTION_OP] = ATTENTION_BACKEND["numba-bf16"]
+            route = "registry"
+        else:  # auto/auto: the registry picks; its torch reference is replaced by ComfyUI's attention
+            pol[ATTENTION_OP] = "auto"
+            route = "auto"
+        return pol, route
+
+    def note(self, key, level, msg, *a):
+        if key not in self.logged:
+            self.logged.add(key)
+            log.log(level, "[flux_numba] " + msg, *a)
+
+    def _attention(self, topts, sig):
+        """The BlockContext.attention callable for one block call (None: the registry's op)."""
+        route = self.attn_route
+        choice = self.attn_choice.get(sig) if route == "auto" else None
+        registry = self.registry
+
+        def comfy_attention(q, k, v, mask):
+            try:  # exactly what stock FLUX calls (flux/math.py's binding), looked up per call
+                import comfy.ldm.flux.math as fm
+                oa = fm.optimized_attention
+            except Exception:
+                from comfy.ldm.modules.attention import optimized_attention as oa
+            registry.usage[(ATTENTION_OP, "comfy")] += 1
+            registry.last[ATTENTION_OP] = "comfy"
+            return oa(q, k, v, q.shape[1], skip_reshape=True, mask=mask, transformer_options=topts)
+
+        if route == "comfy" or choice == REFERENCE_NAME:
+            return comfy_attention
+        if route == "registry" or choice is not None:
+            return None  # BlockContext calls the registry's "attention" op under the policy
+
+        def auto_attention(q, k, v, mask):
+            """First call of an input signature: let the registry choose, remember the choice."""
+            b = registry.choose(ATTENTION_OP, q, k, v, mask)
+            self.attn_choice[sig] = b.name
+            if b.name == REFERENCE_NAME:
+                return comfy_attention(q, k, v, mask)
+            registry.usage[(ATTENTION_OP, b.name)] += 1
+            registry.last[ATTENTION_OP] = b.name
+            return b.fn(q, k, v, mask)
+        return auto_attention
+
+    def fallback(self, kind, index, why, args, extra, level=logging.WARNING):
+        """Count, log once per (block kind, reason) -- not per block or step -- and run stock."""
+        reason = f"{kind} block {index}: {why}"
+        self.stats["fallbacks"] += 1
+        self.stats["reasons"][reason] = self.stats["reasons"].get(reason, 0) + 1
+        self.note(("fallback", kind, why), level, "%s; running ComfyUI's original block instead "
+                  "(logged once)", reason)
+        return extra["original_block"](args)
+
+    def __call__(self, kind, index, args, extra):
+        blk = _resolve_block(kind, index, extra, self.model_ref)
+        if blk is None:
+            return self.fallback(kind, index, "block module not found", args, extra)
+        hit = self.block_ok.get(id(blk))
+        if hit is None or hit[0]() is not blk:
+            hit = self.block_ok[id(blk)] = (weakref.ref(blk), block_problem(kind, blk))
+        bad = hit[1]
+        if bad is None:
+            bad = _input_problem(kind, blk, args)
+        if bad is not None:
+            return self.fallback(kind, index, bad, args, extra)
+
+        img, txt = args["img"], args.get("txt")
+        vec, pe, mask = args["vec"], args.get("pe"), args.get("attn_mask")
+        topts = args.get("transformer_options") or {}
+        sig = (kind, tuple(img.shape), img.dtype, img.device, None if txt is None else tuple(txt.shape),
+               None if mask is None else tuple(mask.shape))
+        ctx = self.ctx_cls(fused=self.fused, attention=self._attention(topts, sig))
+        policy = self.policy
+        choice = self.attn_choice.get(sig)
+        if self.attn_route == "auto" and choice not in (None, REFERENCE_NAME):
+            policy = dict(policy, **{ATTENTION_OP: choice})  # the registry op writes straight into `out`
+        backup = None
+        if sig not in self.proven:
+            backup = (img.clone(), None if txt is None else txt.clone())
+        versions = (_safe_version(img), None if txt is None else _safe_version(txt))
+        self.stats["calls"] += 1
+        try:
+            with self.registry.force(**policy):
+                if kind == "double":
+                    o_img, o_txt = self.blocks.double_block(blk, img, txt, vec, pe, mask, ctx)
+                    out = {"img": o_img, "txt": o_txt}
+                else:
+                    out = {"img": self.blocks.single_block(blk, img, vec, pe, mask, ctx)}
+        except Exception as e:
+            if _is_oom(e):
+                raise
+            why = f"raised {type(e).__name__}: {e}"
+            if backup is not None:
+                img.copy_(backup[0])
+                if txt is not None:
+                    txt.copy_(backup[1])
+            else:
+                now = (_safe_version(img), None if txt is None else _safe_version(txt))
+                if versions[0] is None or now != versions:  # unknown (inference mode) or updated
+                    log.error("[flux_numba] %s block %d %s after updating its input in place; cannot fall "
+                              "back", kind, index, why)
+                    raise
+            return self.fallback(kind, index, why, args, extra)
+        self.proven.add(sig)
+        return out
+
+
+def _make_fn(runner, kind, index, previous=None):
+    """A plain function (ModelPatcher deep-copies model_options: functions are copied by reference)."""
+    if previous is None:
+        def fn(args, extra):
+            return runner(kind, index, args, extra)
+    else:  # another node's replacement was there first: it wraps our block as its "original"
+        def fn(args, extra):
+            inner = dict(extra)
+            inner["original_block"] = lambda a: runner(kind, index, a, extra)
+            return previous(args, inner)
+    fn._flux_numba = True
+    fn._flux_numba_previous = previous
+    return fn
+
+
+# ----------------------------------------------------------------------------- node
+class FluxNumbaPatch:
+    DESCRIPTION = ("Runs every FLUX.1 double/single block through this pack's fused Numba-CUDA ops. "
+                   "Returns a patched clone; the input model is untouched. Without a CUDA GPU / numba "
+                   "the model passes through unchanged (except backend 'torch', the A/B baseline).")
+    CATEGORY = "FluxNumba"
+    RETURN_TYPES = ("MODEL",)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("The patched clone of the model.",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "A FLUX.1 model (e.g. from FluxNumbaLoader or Load Diffusion Model)."}),
+            "profile": (PROFILES, {"default": "exact", "tooltip":
+                                   "exact: fused ops with bf16-exact math. stock-order: the pack's blocks in "
+                                   "ComfyUI's op order (no fusion), for A/B."}),
+            "route_norms": ("BOOLEAN", {"default": True, "label_on": "on", "label_off": "off", "tooltip":
+                                        "Route LayerNorm/modulate, q/k RMSNorm+RoPE, GELU and gated residuals "
+                                        "through the pack's kernels (off: torch for those)."}),
+            "attention": (ATTENTIONS, {"default": "auto", "tooltip":
+                                       "auto: the op registry decides (ComfyUI's attention when it picks torch). "
+                                       "sdpa: ComfyUI's own optimized_attention (honours --use-*-attention and "
+                                       "attention overrides). numba-bf16 / numba-8bit: the pack's kernels."}),
+            "backend": (BACKENDS, {"default": "auto", "tooltip":
+                                   "auto: fastest usable backend per op. torch: every op on its torch reference "
+                                   "(faithful A/B baseline, also on CPU). numba: force the Numba kernels."}),
+        }}
+
+    @staticmethod
+    def options(profile="exact", route_norms=True, attention="auto", backend="auto") -> dict:
+        if isinstance(route_norms, str):
+            route_norms = route_norms.lower() in ("on", "true", "1", "yes")
+        for val, allowed, name in ((profile, PROFILES, "profile"), (attention, ATTENTIONS, "attention"),
+                                   (backend, BACKENDS, "backend")):
+            if val not in allowed:
+                raise ValueError(f"FluxNumbaPatch: {name} must be one of {allowed}, got {val!r}")
+        return {"profile": profile, "route_norms": bool(route_norms), "attention": attention, "backend": backend}
+
+    def patch(self, model, profile="exact", route_norms=True, attention="auto", backend="auto"):
+        opts = self.options(profile, route_norms, attention, backend)
+        m = model.clone()
+        info = dict(opts, active=False, reason=None, double_blocks=0, single_blocks=0, id=None)
+
+        why = unavailable_reason(m, opts["backend"])
+        dm = None
+        if why is None:
+            try:
+                dm = m.get_model_object("diffusion_model")
+                dm = getattr(dm, "_orig_mod", dm)  # torch.compile wrapper
+            except Exception as e:
+                why = f"model has no diffusion_model ({type(e).__name__}: {e})"
+        targets = []
+        if why is None:
+            try:
+                from comfy.ldm.flux.model import Flux
+                if not isinstance(dm, Flux):
+                    why = f"not a FLUX model ({type(dm).__name__})"
+                else:
+                    problems = {}
+                    for kind in ("double", "single"):
+                        for i, blk in enumerate(getattr(dm, f"{kind}_blocks")):
+                            p = block_problem(kind, blk)
+                            if p is None:
+                                targets.append((kind, i))
+                            else:
+                                problems.setdefault(p, []).append(i)
+                    for p, idx in problems.items():
+                        log.warning("[flux_numba] FluxNumbaPatch leaves blocks %s stock: %s", idx, p)
+                    if not targets:
+                        why = "no FLUX.1 blocks to patch"
+            except Exception as e:
+                why = f"cannot inspect the model ({type(e).__name__}: {e})"
+        if why is None:
+            try:
+                patch_id = next(_ids)
+                runner = _Runner(opts, weakref.ref(m.model), patch_id)
+            except Exception as e:
+                why = f"cannot set up the pack's blocks ({type(e).__name__}: {e})"
+        if why is not None:
+            log.warning("[flux_numba] FluxNumbaPatch passes the model through unpatched: %s", why)
+            info["reason"] = why
+            m.model_options["transformer_options"][INFO_KEY] = info
+            return (m,)
+
+        replaced = m.model_options["transformer_options"].get("patches_replace", {}).get("dit", {})
+        for kind, i in targets:
+            prev = replaced.get((f"{kind}_block", i))
+            if prev is not None and getattr(prev, "_flux_numba", False):
+                prev = prev._flux_numba_previous  # our own earlier patch: replace it, keep what it wrapped
+            m.set_model_patch_replace(_make_fn(runner, kind, i, prev), "dit", f"{kind}_block", i)
+            info[f"{kind}_blocks"] += 1
+        info.update(active=True, id=patch_id, attention_route=runner.attn_route,
+                    policy=dict(runner.policy), simulator=bool(getattr(_pack()[2], "SIMULATOR", False)))
+        m.model_options["transformer_options"][INFO_KEY] = info
+        log.info("[flux_numba] FluxNumbaPatch: %d double + %d single blocks, %s", info["double_blocks"],
+                 info["single_blocks"], {k: opts[k] for k in opts})
+        return (m,)
+
+
+NODE_CLASS_MAPPINGS = {"FluxNumbaPatch": FluxNumbaPatch}
+NODE_DISPLAY_NAME_MAPPINGS = {"FluxNumbaPatch": "FLUX Numba Patch (fused blocks)"}

@@ -1,0 +1,156 @@
+"""The pack's entry point and node schemas, without ComfyUI.
+
+* the root ``__init__`` loads under the names ComfyUI gives it (folder name; full path with "." ->
+  "_x_"), including folder names ending in "numba", where numba-cuda's import redirector would
+  recurse forever on ``<name>.cuda_kernels`` (the guard re-registers the root under an alias);
+* V1 node schemas (INPUT_TYPES, RETURN_TYPES, FUNCTION, CATEGORY, tooltips);
+* the loader's header check (FLUX.1 accepted, other files refused with a clear message).
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+LOAD_SCRIPT = r"""
+import importlib, importlib.util, json, sys
+name, root = sys.argv[1], sys.argv[2]
+spec = importlib.util.spec_from_file_location(name, root + "/__init__.py")
+mod = importlib.util.module_from_spec(spec)
+sys.modules[name] = mod
+spec.loader.exec_module(mod)
+importlib.import_module(mod.PACKAGE + ".cuda_kernels")
+importlib.import_module(mod.PACKAGE + ".flux_core.blocks")
+nodes = sys.modules[mod.PACKAGE + ".nodes"]
+print("RESULT " + json.dumps({"package": mod.PACKAGE, "nodes": sorted(mod.NODE_CLASS_MAPPINGS),
+                              "display": sorted(mod.NODE_DISPLAY_NAME_MAPPINGS), "web": mod.WEB_DIRECTORY,
+                              "errors": nodes.LOAD_ERRORS}))
+"""
+
+
+def _env():
+    env = dict(os.environ)
+    env.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    return env
+
+
+def _load_as(name):
+    r = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, name, ROOT], capture_output=True, text=True,
+                       timeout=120, env=_env())
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"loading the pack as {name!r} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("name", ["ComfyUI-FluxNumba", "comfyui-flux-numba",
+                                  "/opt/ComfyUI/custom_nodes/comfyui-flux-numba"])
+def test_root_loads_under_comfyui_names(name):
+    res = _load_as(name)
+    assert {"FluxNumbaLoader", "FluxNumbaPatch"} <= set(res["nodes"])
+    assert set(res["nodes"]) == set(res["display"])
+    assert res["web"] == "./web"
+    assert not res["errors"], res["errors"]
+    if name.endswith("numba"):
+        assert res["package"] != name and "numba.cuda" not in res["package"] + ".cuda_kernels"
+    else:
+        assert res["package"] == name
+
+
+def test_redirector_trap_is_real():
+    """Control: without the guard, a package named '...numba' cannot import its cuda_kernels."""
+    if importlib.util.find_spec("_numba_cuda_redirector") is None:
+        pytest.skip("numba-cuda's redirector is not installed here")
+    script = ("import sys, types; sys.setrecursionlimit(400); m = types.ModuleType('x-numba'); "
+              f"m.__path__ = [{ROOT!r}]; sys.modules['x-numba'] = m\n"
+              "try:\n    import importlib; importlib.import_module('x-numba.cuda_kernels'); print('IMPORTED')\n"
+              "except RecursionError:\n    print('RECURSION')\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=_env())
+    assert "RECURSION" in r.stdout, r.stdout + r.stderr
+
+
+# ----------------------------------------------------------------------------- schemas
+def _pack_nodes():
+    from flux_numba_pack.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, LOAD_ERRORS
+    return NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, LOAD_ERRORS
+
+
+def test_nodes_package_merges_mappings():
+    classes, names, errors = _pack_nodes()
+    assert not errors, errors
+    assert {"FluxNumbaLoader", "FluxNumbaPatch"} <= set(classes)
+    assert set(classes) == set(names)
+
+
+@pytest.mark.parametrize("node_id", ["FluxNumbaLoader", "FluxNumbaPatch"])
+def test_v1_schema(node_id):
+    cls = _pack_nodes()[0][node_id]
+    it = cls.INPUT_TYPES()
+    assert set(it) <= {"required", "optional", "hidden"} and it["required"]
+    for name, spec in it["required"].items():
+        assert isinstance(spec, tuple) and 1 <= len(spec) <= 2, name
+        assert spec[1].get("tooltip"), f"{node_id}.{name} has no tooltip"
+    assert cls.RETURN_TYPES == ("MODEL",)
+    assert callable(getattr(cls, cls.FUNCTION))
+    assert cls.CATEGORY == "FluxNumba"
+    assert cls.DESCRIPTION
+
+
+def test_patch_schema_and_options():
+    from flux_numba_pack.nodes.patch import FluxNumbaPatch, ATTENTIONS, BACKENDS, PROFILES
+    req = FluxNumbaPatch.INPUT_TYPES()["required"]
+    assert req["model"][0] == "MODEL"
+    assert req["profile"][0] == PROFILES == ["exact", "stock-order"]
+    assert req["attention"][0] == ATTENTIONS == ["auto", "sdpa", "numba-bf16", "numba-8bit"]
+    assert req["backend"][0] == BACKENDS == ["auto", "torch", "numba"]
+    assert req["route_norms"][0] == "BOOLEAN"
+    o = FluxNumbaPatch.options("stock-order", "off", "sdpa", "torch")
+    assert o == {"profile": "stock-order", "route_norms": False, "attention": "sdpa", "backend": "torch"}
+    for bad in (dict(profile="fast"), dict(attention="flash"), dict(backend="cuda")):
+        with pytest.raises(ValueError):
+            FluxNumbaPatch.options(**bad)
+
+
+def test_loader_schema_and_dtypes():
+    from flux_numba_pack.nodes.loader import FluxNumbaLoader, weight_dtype_options
+    req = FluxNumbaLoader.INPUT_TYPES()["required"]
+    assert req["weight_dtype"][0] == ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"]
+    assert isinstance(req["unet_name"][0], list)
+    assert weight_dtype_options("default") == {}
+    assert weight_dtype_options("fp8_e4m3fn") == {"dtype": torch.float8_e4m3fn}
+    assert weight_dtype_options("fp8_e4m3fn_fast") == {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}
+    assert weight_dtype_options("fp8_e5m2") == {"dtype": torch.float8_e5m2}
+    with pytest.raises(ValueError):
+        weight_dtype_options("int4")
+
+
+# ----------------------------------------------------------------------------- loader header check
+def test_loader_header_check(tmp_path):
+    from safetensors.torch import save_file
+    from flux_numba_pack.flux_core import TINY, tiny_state_dict, NotFluxError
+    from flux_numba_pack.nodes.loader import check_flux_file
+
+    flux = tmp_path / "tiny_flux.safetensors"
+    save_file({"model.diffusion_model." + k: v.to(torch.bfloat16) for k, v in tiny_state_dict(0).items()}, str(flux))
+    cfg = check_flux_file(str(flux))
+    assert (cfg.hidden_size, cfg.depth, cfg.depth_single_blocks) == (TINY.hidden_size, TINY.depth, TINY.depth_single_blocks)
+
+    sdxl = tmp_path / "sdxl_unet.safetensors"
+    save_file({k: torch.zeros(2, 2) for k in ("input_blocks.0.0.weight", "label_emb.0.0.weight",
+                                              "middle_block.0.in_layers.0.weight",
+                                              "output_blocks.0.0.in_layers.0.weight")}, str(sdxl))
+    with pytest.raises(ValueError) as ei:
+        check_flux_file(str(sdxl))
+    assert isinstance(ei.value, NotFluxError)
+    msg = str(ei.value)
+    assert "sdxl_unet.safetensors" in msg and "not a FLUX.1" in msg and "SDXL" in msg
+
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError):
+        check_flux_file(str(junk))
+    assert check_flux_file(str(tmp_path / "model.ckpt")) is None  # not inspectable: checked after loading
