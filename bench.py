@@ -44,6 +44,8 @@ def parse():
     p.add_argument("--no-comfy", action="store_true", help="use the standalone model even if ComfyUI is importable")
     p.add_argument("--autotune", action="store_true", default=True)
     p.add_argument("--json", default=os.path.join(ROOT, "out", "bench.json"))
+    p.add_argument("--vae", action="store_true", help="also time the FLUX VAE decode of a 1024^2 image, "
+                   "stock ComfyUI decoder vs FluxNumbaVAEPatch's (bench/gpu_vae.py run_decoder)")
     p.add_argument("--profile", default="", help="comma list of variants to profile (one forward): top GPU kernels")
     return p.parse_args()
 
@@ -224,6 +226,15 @@ def main():
         except Exception as e:
             print(f"profile {v} failed: {type(e).__name__}: {e}")
 
+    if a.vae:
+        try:
+            sys.path.insert(0, os.path.join(ROOT, "bench"))
+            import gpu_vae
+            gpu_vae.run_decoder()
+            results["vae-decode"] = gpu_vae.results.get("decoder 1024^2 bf16", {})
+        except Exception as e:
+            results["vae-decode"] = {"error": f"{type(e).__name__}: {e}"}
+
     base = results.get("stock", results.get("pack-torch", {})).get("ms")
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:
@@ -234,6 +245,10 @@ def main():
     print(f"\nFLUX {a.config if not a.model else a.model} {a.res}x{a.res} txt {a.txt} batch {a.batch} on {info['device']}")
     print(f"{'variant':<12} {'ms/step':>9} {'vs stock':>9} {'peak GB':>8} {'rel err':>8} {'traj dB':>8}")
     for v, r in results.items():
+        if v == "vae-decode":
+            continue
+        if "ms" not in r and "error" not in r:
+            continue
         if "error" in r:
             print(f"{v:<12} ERROR {r['error'][:80]}")
             continue
@@ -242,6 +257,13 @@ def main():
         re_ = f"{100 * r['rel_err']:.2f}%" if "rel_err" in r else "-"
         tr = f"{r['traj_psnr_db']:.1f}" if "traj_psnr_db" in r else "-"
         print(f"{v:<12} {r['ms']:>9.2f} {ratio:>9} {pk:>8} {re_:>8} {tr:>8}")
+    vd = results.get("vae-decode")
+    if vd:
+        if "stock_ms" in vd:
+            print(f"VAE decode 1024^2: stock {vd['stock_ms']} ms, patched {vd['patched_ms']} ms "
+                  f"({vd['speedup']}x), PSNR patched vs stock {vd['psnr_patched_vs_stock']} dB")
+        else:
+            print(f"VAE decode: {vd}")
 
 
 def category(name):

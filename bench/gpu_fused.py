@@ -58,6 +58,26 @@ def note(name, **kw):
 
 
 # ------------------------------------------------------------------------------------ PTX check
+def ptxas_regs(ptx):
+    """Registers per thread from ptxas -v (None when ptxas is not on PATH)."""
+    import shutil
+    import subprocess
+    import tempfile
+    exe = shutil.which("ptxas")
+    if not exe:
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(re.sub(r"^\.version \d+\.\d+", ".version 8.0", ptx, count=1, flags=re.M))
+    try:
+        r = subprocess.run([exe, "-arch=sm_90", "-v", f.name, "-o", os.devnull], capture_output=True, text=True, timeout=60)
+        m = re.findall(r"Used (\d+) registers", r.stderr)
+        return int(m[0]) if m else None
+    except Exception:
+        return None
+    finally:
+        os.unlink(f.name)
+
+
 def ptx_report():
     """Compile every kernel variant for cc (9, 0) and count the instructions that matter."""
     from numba import cuda, types as nt
@@ -66,27 +86,25 @@ def ptx_report():
         import numba.cuda.dispatcher as _d
         _d.get_current_device = lambda: _t.SimpleNamespace(compute_capability=(9, 0))
     A = lambda dt, nd: nt.Array(dt, nd, "A")  # noqa: E731
-    i64, i16, f32 = nt.int64, nt.int16, nt.float32
-    cases = {
-        "ln_modulate v4": (LM.make_row_kernel(4, 4, 0), (A(i64, 3),) * 6 + (f32,)),
-        "ln_modulate v1": (LM.make_row_kernel(1, 16, 0), (A(i16, 3),) * 6 + (f32,)),
-        "gated_ln v4": (LM.make_row_kernel(4, 4, 1), (A(i64, 3),) * 6 + (f32,)),
-        "gated_ln v1": (LM.make_row_kernel(1, 16, 1), (A(i16, 3),) * 6 + (f32,)),
-        "gated v4": (GR.make_gated_kernel(4, 4), (A(i64, 3),) * 3 + (i64,)),
-        "gated v1": (GR.make_gated_kernel(1, 16), (A(i16, 3),) * 3 + (i64,)),
-        "gelu v4": (GT.make_gelu_kernel(4, 4), (A(i64, 3),) * 2 + (i64,)),
-        "gelu v1": (GT.make_gelu_kernel(1, 16), (A(i16, 3),) * 2 + (i64,)),
-        "qk_norm_rope": (QK.make_qk_kernel(), (A(i64, 3), A(i64, 3), A(f32, 3), A(i64, 4), A(i64, 5), i64, i64, f32)),
-    }
+    i64, i16 = nt.int64, nt.int16
+    cases = {}
+    for mod in (LM, GR, QK):
+        for k, mk in mod.PTX_CASES.items():
+            cases[k] = mk()
+    for key, nw in GT.NW_FOR.items():
+        dt = i64 if key[0] == 4 else i16
+        cases["gelu v%dw%d" % key] = (GT.make_gelu_kernel(key[0], nw, key[1]), (A(dt, 3),) * 2 + (i64,))
     pats = [("ld8B", r"\bld\.(global\.)?(u|b|s)64\b"), ("ld.v", r"\bld\.(global\.)?v[24]"),
             ("ld2B", r"\bld\.(global\.)?(u|b|s)16\b"), ("st8B", r"\bst\.(global\.)?(u|b|s)64\b"),
             ("shfl", r"\bshfl\."), ("local", r"\b(ld|st)\.local"), ("f64", r"\.f64\b"), ("ex2", r"ex2\.approx")]
     out = {}
     for name, (disp, sig) in cases.items():
         try:
-            ptx, _ = cuda.compile_ptx(disp.py_func, sig, cc=(9, 0), fastmath=True)
+            ptx, _ = cuda.compile_ptx(disp.py_func, sig, cc=(9, 0), fastmath=True,
+                                      launch_bounds=disp.targetoptions.get("launch_bounds"))
             body = [ln for ln in ptx.splitlines() if not ln.strip().startswith("//")]
             cnt = {k: sum(1 for ln in body if re.search(p, ln)) for k, p in pats}
+            cnt["regs"] = ptxas_regs(ptx)
             out[name] = cnt
             print(f"PTX {name:15s} " + ", ".join(f"{k} {v}" for k, v in cnt.items()), flush=True)
         except Exception as e:

@@ -26,7 +26,7 @@ import torch
 from . import intrinsics as ik
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key then only hashes the factory's int constants
-from .intrinsics import cuda, float32, int64, unpack_w, pack4, pack1, round_bf16  # noqa: F401
+from .intrinsics import cuda, float32, int64, unpack_w, pack4, pack1, round_bf16, ld2, st2  # noqa: F401
 from .ln_modulate import reference as ln_modulate_reference
 from .ln_modulate import row_check, vec_views, _threads, _expand, make_row_kernel, NW_FOR
 from .registry import registry
@@ -52,9 +52,11 @@ registry.register(OP_LN, reference_ln, doc=__doc__, mutates=(0,))
 # ----------------------------------------------------------------------------- numba backend
 
 
-def make_gated_kernel(VEC, NW):
-    """x[B, L, Cw] += gate[B, 1, Cw] * y[B, L, Cw] on word views; work item = (row, chunk)."""
-
+def make_gated_kernel(VEC, NW, VW=1):
+    """x[B, L, Cw] += gate[B, 1, Cw] * y[B, L, Cw] on word views; work item = (row, chunk);
+    thread slot k of chunk c covers words (c*nt*NS + k*nt + tid)*VW .. +VW (VW 2: 16-byte
+    accesses); all loads before the math; while loops (no 64-bit division)."""
+    NS = NW // VW
 
     def gated_kernel(x, gate, y, nchunks):
         wx = cuda.local.array(NW, int64)
@@ -65,33 +67,54 @@ def make_gated_kernel(VEC, NW):
         tc = cuda.local.array(4, float32)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        Cw = x.shape[2]
-        # grid (chunks, L, B), grid-stride in every dimension: no integer division
-        for b in range(cuda.blockIdx.z, x.shape[0], cuda.gridDim.z):
+        Cs = x.shape[2] // VW
+        b = cuda.blockIdx.z
+        while b < x.shape[0]:
             gr = gate[b, 0]
-            for li in range(cuda.blockIdx.y, x.shape[1], cuda.gridDim.y):
+            li = cuda.blockIdx.y
+            while li < x.shape[1]:
                 xr = x[b, li]
                 yr = y[b, li]
-                for c in range(cuda.blockIdx.x, nchunks, cuda.gridDim.x):
-                    base = c * nt * NW + tid
-                    for k in range(NW):
+                c = cuda.blockIdx.x
+                while c < nchunks:
+                    base = c * nt * NS + tid
+                    for k in range(NS):
                         j = base + k * nt
-                        if j < Cw:
-                            wx[k] = xr[j]
-                            wy[k] = yr[j]
-                            wg[k] = gr[j]
-                    for k in range(NW):
-                        j = base + k * nt
-                        if j < Cw:
-                            unpack_w(wx[k], ta, 0, VEC)
-                            unpack_w(wy[k], tb, 0, VEC)
-                            unpack_w(wg[k], tc, 0, VEC)
-                            for e in range(VEC):  # stock: bf16(x + bf16(y * gate))
-                                ta[e] = ta[e] + round_bf16(tc[e] * tb[e])
-                            if VEC == 4:
-                                xr[j] = pack4(ta[0], ta[1], ta[2], ta[3])
+                        if j < Cs:
+                            if VW == 2:
+                                t2 = ld2(xr, 2 * j)
+                                wx[2 * k] = t2[0]
+                                wx[2 * k + 1] = t2[1]
+                                t2 = ld2(yr, 2 * j)
+                                wy[2 * k] = t2[0]
+                                wy[2 * k + 1] = t2[1]
+                                t2 = ld2(gr, 2 * j)
+                                wg[2 * k] = t2[0]
+                                wg[2 * k + 1] = t2[1]
                             else:
-                                xr[j] = pack1(ta[0])
+                                wx[k] = xr[j]
+                                wy[k] = yr[j]
+                                wg[k] = gr[j]
+                    for k in range(NS):
+                        j = base + k * nt
+                        if j < Cs:
+                            for v in range(VW):
+                                unpack_w(wx[k * VW + v], ta, 0, VEC)
+                                unpack_w(wy[k * VW + v], tb, 0, VEC)
+                                unpack_w(wg[k * VW + v], tc, 0, VEC)
+                                for e in range(VEC):  # stock: bf16(x + bf16(y * gate))
+                                    ta[e] = ta[e] + round_bf16(tc[e] * tb[e])
+                                if VEC == 4:
+                                    wx[k * VW + v] = pack4(ta[0], ta[1], ta[2], ta[3])
+                                else:
+                                    wx[k * VW + v] = pack1(ta[0])
+                            if VW == 2:
+                                st2(xr, 2 * j, wx[2 * k], wx[2 * k + 1])
+                            else:
+                                xr[j] = wx[k]
+                    c += cuda.gridDim.x
+                li += cuda.gridDim.y
+            b += cuda.gridDim.z
 
     return ik.jit_kernel(gated_kernel)
 
@@ -99,14 +122,15 @@ def make_gated_kernel(VEC, NW):
 _launchers = {}
 
 
-def _launcher(kind, VEC):
-    key = (kind, VEC)
+def _launcher(kind, VEC, VW):
+    key = (kind, VEC, VW)
     la = _launchers.get(key)
     if la is None:
+        NW = NW_FOR[(VEC, VW)]
         if kind == "gated":
-            la = ik.Launcher(lambda: make_gated_kernel(VEC, NW_FOR[VEC]))
+            la = ik.Launcher(lambda: make_gated_kernel(VEC, NW, VW))
         else:
-            la = ik.Launcher(lambda: make_row_kernel(VEC, NW_FOR[VEC], 1))
+            la = ik.Launcher(lambda: make_row_kernel(VEC, NW, 1, VW))
         la = _launchers[key] = la
     return la
 
@@ -121,24 +145,35 @@ def check_ln(x, gate, y, shift, scale, eps: float = 1e-6):
 
 def numba_gated_residual(x, gate, y):
     B, L, C = x.shape
-    VEC, (xw, gw, yw) = vec_views(x, _expand(gate, B), y)
+    VEC, VW, (xw, gw, yw) = vec_views(x, _expand(gate, B), y)
     Cw = xw.shape[2]
-    NW = NW_FOR[VEC]
+    NW = NW_FOR[(VEC, VW)]
     nt = _threads(Cw, NW)
     nchunks = -(-Cw // (nt * NW))
-    _launcher("gated", VEC)(ik.grid3(nchunks, L, B), nt, xw, gw, yw, nchunks)
+    _launcher("gated", VEC, VW)(ik.grid3(nchunks, L, B), nt, xw, gw, yw, nchunks)
     return x
 
 
 def numba_gated_residual_ln_modulate(x, gate, y, shift, scale, eps: float = 1e-6):
     B = x.shape[0]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    VEC, (xw, yw, ow, gw, shw, scw) = vec_views(x, y, out, _expand(gate, B), _expand(shift, B), _expand(scale, B))
+    VEC, VW, (xw, yw, ow, gw, shw, scw) = vec_views(x, y, out, _expand(gate, B), _expand(shift, B), _expand(scale, B))
     Cw = xw.shape[2]
-    _launcher("ln", VEC)(ik.grid3(1, x.shape[1], B), _threads(Cw, NW_FOR[VEC]),
-                         xw, yw, gw, shw, scw, ow, np.float32(eps))
+    _launcher("ln", VEC, VW)(ik.grid3(1, x.shape[1], B), _threads(Cw, NW_FOR[(VEC, VW)]),
+                             xw, yw, gw, shw, scw, ow, np.float32(eps))
     return out
 
 
 registry.register_backend(OP, "numba", numba_gated_residual, check=check)
 registry.register_backend(OP_LN, "numba", numba_gated_residual_ln_modulate, check=check_ln)
+
+
+def _ptx_cases():
+    from numba import types as nt
+    A = lambda dt, nd: nt.Array(dt, nd, "A")  # noqa: E731
+    return {"gated v4w2": lambda: (make_gated_kernel(4, 4, 2), (A(nt.int64, 3),) * 3 + (nt.int64,)),
+            "gated v4w1": lambda: (make_gated_kernel(4, 4, 1), (A(nt.int64, 3),) * 3 + (nt.int64,)),
+            "gated v1": lambda: (make_gated_kernel(1, 16, 1), (A(nt.int16, 3),) * 3 + (nt.int64,))}
+
+
+PTX_CASES = _ptx_cases()

@@ -15,13 +15,15 @@ Bytes per call at FLUX 1024^2 (single block, B=1, L=4608, M=12288), floor at 3.7
   read x 113.2 MB + write out 113.2 MB = 226.5 MB -> 61.2 us
   (double-block MLP, L=4096: 201.3 MB -> 54.4 us; txt L=512: 25.2 MB -> 6.8 us)
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from . import intrinsics as ik
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key then only hashes the factory's int constants
-from .intrinsics import cuda, float32, int64, unpack_w, pack4, pack1, gelu_tanh  # noqa: F401
+from .intrinsics import cuda, float32, int64, unpack_w, pack4, pack1, gelu_fast, ld2, st2  # noqa: F401
 from .registry import registry
 
 OP = "gelu_tanh"
@@ -38,41 +40,62 @@ def reference(x, out=None):
 registry.register(OP, reference, doc=__doc__)
 
 # ----------------------------------------------------------------------------- numba backend
-NW_FOR = {4: 4, 1: 16}
 THREADS = 256
+# (VEC, VW) -> words per thread: VEC 4 = int64 words of 4 bf16 (VW 2: 16-byte ld/st pairs when
+# x and out rows are 16-byte aligned, VW 1: 8-byte words), VEC 1 = int16 scalar fallback
+NW_FOR = {(4, 2): 8, (4, 1): 4, (1, 1): 16}
 
 
-def make_gelu_kernel(VEC, NW):
-    """out[B, L, Mw] = gelu(x[B, L, Mw]) on word views (any row strides)."""
-
+def make_gelu_kernel(VEC, NW, VW=1):
+    """out[B, L, Mw] = gelu(x[B, L, Mw]) on word views (any row strides).  Thread slot s of
+    chunk c covers words (c*nt*NS + k*nt + tid)*VW .. +VW, k < NS = NW / VW: all NS loads are
+    issued before any math.  While loops (a stepped ``range`` costs a 64-bit division)."""
+    NS = NW // VW
 
     def gelu_kernel(x, out, nchunks):
         wx = cuda.local.array(NW, int64)
         ta = cuda.local.array(4, float32)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        Mw = x.shape[2]
-        # grid (chunks, L, B), grid-stride in every dimension: no integer division
-        for b in range(cuda.blockIdx.z, x.shape[0], cuda.gridDim.z):
-            for li in range(cuda.blockIdx.y, x.shape[1], cuda.gridDim.y):
+        Ms = x.shape[2] // VW  # slots per row (VW divides Mw: checked by the launcher)
+        b = cuda.blockIdx.z
+        while b < x.shape[0]:
+            li = cuda.blockIdx.y
+            while li < x.shape[1]:
                 xr = x[b, li]
                 orow = out[b, li]
-                for c in range(cuda.blockIdx.x, nchunks, cuda.gridDim.x):
-                    base = c * nt * NW + tid
-                    for k in range(NW):
+                c = cuda.blockIdx.x
+                while c < nchunks:
+                    base = c * nt * NS + tid
+                    for k in range(NS):
                         j = base + k * nt
-                        if j < Mw:
-                            wx[k] = xr[j]
-                    for k in range(NW):
-                        j = base + k * nt
-                        if j < Mw:
-                            unpack_w(wx[k], ta, 0, VEC)
-                            for e in range(VEC):
-                                ta[e] = gelu_tanh(ta[e])
-                            if VEC == 4:
-                                orow[j] = pack4(ta[0], ta[1], ta[2], ta[3])
+                        if j < Ms:
+                            if VW == 2:
+                                t2 = ld2(xr, 2 * j)
+                                wx[2 * k] = t2[0]
+                                wx[2 * k + 1] = t2[1]
                             else:
-                                orow[j] = pack1(ta[0])
+                                wx[k] = xr[j]
+                    for k in range(NS):
+                        j = base + k * nt
+                        if j < Ms:
+                            for v in range(VW):
+                                unpack_w(wx[k * VW + v], ta, 0, VEC)
+                                for e in range(VEC):
+                                    ta[e] = gelu_fast(ta[e])
+                                if VEC == 4:
+                                    wx[k * VW + v] = pack4(ta[0], ta[1], ta[2], ta[3])
+                                else:
+                                    wx[k * VW + v] = pack1(ta[0])
+                            if VW == 2:
+                                st2(orow, 2 * j, wx[2 * k], wx[2 * k + 1])
+                            elif VEC == 4:
+                                orow[j] = wx[k]
+                            else:
+                                orow[j] = wx[k]
+                    c += cuda.gridDim.x
+                li += cuda.gridDim.y
+            b += cuda.gridDim.z
 
     return ik.jit_kernel(gelu_kernel)
 
@@ -80,10 +103,20 @@ def make_gelu_kernel(VEC, NW):
 _launchers = {}
 
 
-def _launcher(VEC):
-    la = _launchers.get(VEC)
+@functools.lru_cache(maxsize=1024)
+def _split(Mw, NW):
+    """(threads, chunks) for a row of Mw words, NW words per thread: chunks of equal size (no
+    half-empty last chunk), threads a multiple of 32, at most THREADS."""
+    n = -(-Mw // NW)  # threads wanted for one row
+    nchunks = -(-n // THREADS)
+    nt = max(32, -(-(-(-n // nchunks)) // 32) * 32)
+    return nt, nchunks
+
+
+def _launcher(VEC, VW):
+    la = _launchers.get((VEC, VW))
     if la is None:
-        la = _launchers[VEC] = ik.Launcher(lambda: make_gelu_kernel(VEC, NW_FOR[VEC]))
+        la = _launchers[(VEC, VW)] = ik.Launcher(lambda: make_gelu_kernel(VEC, NW_FOR[(VEC, VW)], VW))
     return la
 
 
@@ -104,15 +137,13 @@ def numba_gelu_tanh(x, out=None):
         ret = out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     xw, ow = ik.words(x), ik.words(out)
     if xw is None or ow is None:
-        VEC, xw, ow = 1, x.view(torch.int16), out.view(torch.int16)
+        VEC, VW, xw, ow = 1, 1, x.view(torch.int16), out.view(torch.int16)
     else:
-        VEC = 4
+        VEC, VW = 4, 2 if ik.aligned16(xw, ow) else 1
     B, L, Mw = xw.shape
-    NW = NW_FOR[VEC]
-    n = -(-Mw // NW)  # threads wanted for one row
-    nt = min(THREADS, max(32, -(-n // 32) * 32))
-    nchunks = -(-Mw // (nt * NW))
-    _launcher(VEC)(ik.grid3(nchunks, L, B), nt, xw, ow, nchunks)
+    NW = NW_FOR[(VEC, VW)]
+    nt, nchunks = _split(Mw, NW)
+    _launcher(VEC, VW)(ik.grid3(nchunks, L, B), nt, xw, ow, nchunks)
     return ret
 
 

@@ -42,14 +42,48 @@ SIMULATOR = runtime.SIMULATOR
 RED_SMEM = 1024 if SIMULATOR else 33  # floats of shared scratch a reduction needs
 
 
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    """sha256 over every cuda_kernels/*.py (name + bytes): part of each cached kernel's key."""
+    import hashlib
+    here = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            h.update(name.encode())
+            with open(os.path.join(here, name), "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def keyed_on_sources(disp):
+    """Make numba's on-disk cache key of dispatcher ``disp`` include ``source_hash()``.
+
+    numba keys a cached kernel on its own bytecode, closure values and the *defining* file's
+    mtime/size: an edit of a device function in another file (intrinsics.py) would load a stale
+    kernel.  With the hash in the index key a changed tree simply misses (and recompiles once)."""
+    c = getattr(disp, "_cache", None)
+    ik = getattr(c, "_index_key", None)
+    if ik is None or getattr(ik, "_flux_keyed", False):
+        return disp
+    tag = ("flux_numba_sources", source_hash())
+
+    def _index_key(sig, codegen):
+        return ik(sig, codegen) + (tag,)
+    _index_key._flux_keyed = True
+    c._index_key = _index_key
+    return disp
+
+
 def jit_kernel(fn=None, **kw):
-    """``cuda.jit`` for kernels: fastmath + on-disk cache on the GPU, lazy compilation."""
+    """``cuda.jit`` for kernels: fastmath + on-disk cache on the GPU (keyed on the hash of all
+    cuda_kernels sources, see ``keyed_on_sources``), lazy compilation."""
     def deco(f):
         if not NUMBA_OK:
             return f
         if SIMULATOR:
             return cuda.jit(f)
-        return cuda.jit(f, fastmath=True, cache=True, **kw)
+        return keyed_on_sources(cuda.jit(f, fastmath=True, cache=True, **kw))
     return deco(fn) if fn is not None else deco
 
 
@@ -57,7 +91,8 @@ if not NUMBA_OK:  # pragma: no cover - names exist so op modules import; checks 
     float32 = int32 = int64 = int16 = None
     bf2f = word_get = f2bf = wrap_i64 = wrap_i16 = lo_f32 = hi_f32 = None
     unpack4 = pack4 = pack1 = round_bf16 = unpack_f32x2 = unpack_w = None
-    rsqrt = tanh = gelu_tanh = block_sum = group_sum = None
+    rsqrt = tanh = gelu_tanh = gelu_fast = block_sum = group_sum = None
+    ld2 = st2 = None
 
 elif SIMULATOR:
     import math
@@ -122,6 +157,17 @@ elif SIMULATOR:
 
     def tanh(x):
         return _F32(math.tanh(float(x)))
+
+    def ld2(a, i):
+        """Words a[i], a[i+1] (GPU: one 16-byte load; i even, row 16-byte aligned)."""
+        return a[i], a[i + 1]
+
+    def st2(a, i, w0, w1):
+        a[i] = w0
+        a[i + 1] = w1
+
+    def gelu_fast(x):
+        return gelu_tanh(x)
 
     def gelu_tanh(x):
         x = float(x)
@@ -253,6 +299,82 @@ else:
             return context.make_tuple(builder, sig.return_type, [lo, hi])
         return sig, codegen
 
+    _V2 = _ir.VectorType(_I64, 2)
+    _EX2 = _ir.InlineAsm(_ir.FunctionType(_F32T, [_F32T]), "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+    _RCP = _ir.InlineAsm(_ir.FunctionType(_F32T, [_F32T]), "rcp.approx.ftz.f32 $0, $1;", "=f,f")
+
+    def _vec_ptr(context, builder, aryty, ary_val, idx_val, idx_ty):
+        from numba.cuda import cgutils as _cg
+        ary = context.make_array(aryty)(context, builder, ary_val)
+        idx = context.cast(builder, idx_val, idx_ty, _nbt.intp)
+        ptr = _cg.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False)
+        return builder.addrspacecast(builder.bitcast(ptr, _ir.PointerType(_V2)), _ir.PointerType(_V2, 1))
+
+    def _is_words(a):
+        return isinstance(a, _nbt.Array) and a.ndim == 1 and a.dtype == _nbt.int64
+
+    @_intrinsic
+    def ld2(typingctx, a, i):
+        """(a[i], a[i+1]) of a 1-D int64 array with unit stride as ONE 16-byte global load
+        (ld.global.v2.u64); the caller guarantees 16-byte alignment of &a[i]."""
+        if not (_is_words(a) and isinstance(i, _nbt.Integer)):
+            return None
+        sig = _nbt.UniTuple(_nbt.int64, 2)(a, i)
+
+        def codegen(context, builder, sig, args):
+            p = _vec_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            v = builder.load(p, align=16)
+            w = [builder.extract_element(v, _ir.Constant(_I32, e)) for e in range(2)]
+            return context.make_tuple(builder, sig.return_type, w)
+        return sig, codegen
+
+    @_intrinsic
+    def st2(typingctx, a, i, w0, w1):
+        """a[i], a[i+1] = w0, w1 as ONE 16-byte global store (alignment as for ld2)."""
+        if not (_is_words(a) and isinstance(i, _nbt.Integer)
+                and isinstance(w0, _nbt.Integer) and isinstance(w1, _nbt.Integer)):
+            return None
+        sig = _nbt.none(a, i, w0, w1)
+
+        def codegen(context, builder, sig, args):
+            p = _vec_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            v = _ir.Constant(_V2, _ir.Undefined)
+            for e in range(2):
+                x = _as(context, builder, args[2 + e], sig.args[2 + e], _nbt.int64)
+                v = builder.insert_element(v, x, _ir.Constant(_I32, e))
+            builder.store(v, p, align=16)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @_intrinsic
+    def _ex2(typingctx, x):
+        if not isinstance(x, _nbt.Float):
+            return None
+        sig = _nbt.float32(x)
+
+        def codegen(context, builder, sig, args):
+            return builder.call(_EX2, [_as(context, builder, args[0], sig.args[0], _nbt.float32)])
+        return sig, codegen
+
+    @_intrinsic
+    def _rcp(typingctx, x):
+        if not isinstance(x, _nbt.Float):
+            return None
+        sig = _nbt.float32(x)
+
+        def codegen(context, builder, sig, args):
+            return builder.call(_RCP, [_as(context, builder, args[0], sig.args[0], _nbt.float32)])
+        return sig, codegen
+
+    @cuda.jit(**_dev)
+    def gelu_fast(x):
+        """gelu_tanh as x * rcp(1 + 2^(x*(a + b*x^2))): ex2.approx + rcp.approx (2 MUFU ops,
+        ~2^-22 relative error each), 6 FP32 ops; overflow gives x * 0 = -0 for very negative x."""
+        x = float32(x)
+        x2 = x * x
+        t = x * (float32(-2.302208198) + float32(-0.10294324) * x2)  # -2*sqrt(2/pi)*log2(e)*(1, 0.044715)
+        return x * _rcp(float32(1) + _ex2(t))
+
     @cuda.jit(**_dev)
     def unpack_w(w, a, base, vec):
         """Word -> a[base:base+vec] (vec 4: int64 word of 4 bf16; vec 1: one bf16)."""
@@ -343,6 +465,22 @@ import numpy as _np  # noqa: E402
 import torch  # noqa: E402
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+FORCE_VW1 = os.environ.get("FLUX_NUMBA_NO_V16") == "1"  # benchmarks: time the 8-byte variants
+
+
+def aligned16(*ws) -> bool:
+    """Every int64 word view has a 16-byte aligned base, even row strides and an even last dim
+    (so word pairs (2j, 2j+1) of every row can move as one 16-byte access)."""
+    if FORCE_VW1:
+        return False
+    for w in ws:
+        if w.data_ptr() % 16 or w.shape[-1] % 2:
+            return False
+        if any(st % 2 for st, n in zip(w.stride()[:-1], w.shape[:-1]) if n > 1):
+            return False
+    return True
 
 
 def words(t: torch.Tensor):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from . import intrinsics as ik
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key then only hashes the factory's int constants
-from .intrinsics import cuda, float32, int64, unpack_w, pack4, pack1, round_bf16, block_sum, rsqrt  # noqa: F401
+from .intrinsics import cuda, float32, int64, unpack_w, pack4, pack1, round_bf16, block_sum, rsqrt, ld2, st2  # noqa: F401
 from .registry import registry
 
 OP = "ln_modulate"
@@ -41,22 +41,26 @@ registry.register(OP, reference, doc=__doc__)
 
 # ----------------------------------------------------------------------------- numba backend
 MAX_THREADS = 1024
-NW_FOR = {4: 4, 1: 16}  # words per thread for each word width (16 bf16 per thread)
+# words per thread for each (word width VEC, words per access VW): 16 bf16 per thread
+NW_FOR = {(4, 2): 4, (4, 1): 4, (1, 1): 16}
 
 
-def make_row_kernel(VEC, NW, GATED):
+def make_row_kernel(VEC, NW, GATED, VW=1):
     """Row kernel factory.  GATED=1: first ``x += gate * y`` (x rounded to bf16 and stored),
     then LN + modulate of the new x.  Arrays are word views: x, y, out [B, L, Cw];
-    gate, shift, scale [B, 1, Cw]."""
+    gate, shift, scale [B, 1, Cw].  Thread slot k covers words (tid + k*nt)*VW .. +VW (VW 2:
+    one 16-byte access).  Only packed words stay in registers (each pass unpacks again: a
+    shift or mask per element), which keeps the kernel near 40 registers -> many rows in
+    flight per SM; every load of a row is issued before the first reduction."""
 
     RED = ik.RED_SMEM
-    NV = NW * VEC  # floats of the row each thread keeps in registers
+    NS = NW // VW
 
     def row_kernel(x, y, gate, shift, scale, out, eps):
         smem = cuda.shared.array(RED, float32)
-        v = cuda.local.array(NV, float32)
         ta = cuda.local.array(4, float32)
         tb = cuda.local.array(4, float32)
+        tc = cuda.local.array(4, float32)
         wx = cuda.local.array(NW, int64)
         wy = cuda.local.array(NW, int64)
         wg = cuda.local.array(NW, int64)
@@ -64,67 +68,99 @@ def make_row_kernel(VEC, NW, GATED):
         wsc = cuda.local.array(NW, int64)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        Cw = x.shape[2]
-        inv_n = float32(1) / float32(Cw * VEC)
-        # grid (1, L, B), grid-stride in y / z: no integer division anywhere
-        for b in range(cuda.blockIdx.z, x.shape[0], cuda.gridDim.z):
-            for li in range(cuda.blockIdx.y, x.shape[1], cuda.gridDim.y):
+        Cs = x.shape[2] // VW
+        inv_n = float32(1) / float32(x.shape[2] * VEC)
+        # grid (1, L, B), while loops in y / z: no integer division anywhere
+        b = cuda.blockIdx.z
+        while b < x.shape[0]:
+            gr = gate[b, 0]
+            shr = shift[b, 0]
+            scr = scale[b, 0]
+            li = cuda.blockIdx.y
+            while li < x.shape[1]:
                 xr = x[b, li]  # 1-D row views: one index per access
                 orow = out[b, li]
                 yr = y[b, li]
-                gr = gate[b, 0]
-                shr = shift[b, 0]
-                scr = scale[b, 0]
-                # every load first (all in flight, shift/scale latency hidden behind the
-                # reductions), then math
-                for k in range(NW):
+                for k in range(NS):
                     j = tid + k * nt
-                    if j < Cw:
-                        wx[k] = xr[j]
-                        if GATED:
-                            wy[k] = yr[j]
-                            wg[k] = gr[j]
-                        wsh[k] = shr[j]
-                        wsc[k] = scr[j]
+                    if j < Cs:
+                        if VW == 2:
+                            t2 = ld2(xr, 2 * j)
+                            wx[2 * k] = t2[0]
+                            wx[2 * k + 1] = t2[1]
+                            if GATED:
+                                t2 = ld2(yr, 2 * j)
+                                wy[2 * k] = t2[0]
+                                wy[2 * k + 1] = t2[1]
+                                t2 = ld2(gr, 2 * j)
+                                wg[2 * k] = t2[0]
+                                wg[2 * k + 1] = t2[1]
+                            t2 = ld2(shr, 2 * j)
+                            wsh[2 * k] = t2[0]
+                            wsh[2 * k + 1] = t2[1]
+                            t2 = ld2(scr, 2 * j)
+                            wsc[2 * k] = t2[0]
+                            wsc[2 * k + 1] = t2[1]
+                        else:
+                            wx[k] = xr[j]
+                            if GATED:
+                                wy[k] = yr[j]
+                                wg[k] = gr[j]
+                            wsh[k] = shr[j]
+                            wsc[k] = scr[j]
                 s = float32(0)
-                for k in range(NW):
+                for k in range(NS):
                     j = tid + k * nt
-                    if j < Cw:
-                        unpack_w(wx[k], v, k * VEC, VEC)
-                        if GATED:  # x_new = bf16(x + bf16(gate * y)), exactly stock's rounding
-                            unpack_w(wy[k], ta, 0, VEC)
-                            unpack_w(wg[k], tb, 0, VEC)
+                    if j < Cs:
+                        for v in range(VW):
+                            unpack_w(wx[k * VW + v], ta, 0, VEC)
+                            if GATED:  # x_new = bf16(x + bf16(gate * y)), exactly stock's rounding
+                                unpack_w(wy[k * VW + v], tb, 0, VEC)
+                                unpack_w(wg[k * VW + v], tc, 0, VEC)
+                                for e in range(VEC):
+                                    ta[e] = ta[e] + round_bf16(tc[e] * tb[e])
+                                if VEC == 4:
+                                    wx[k * VW + v] = pack4(ta[0], ta[1], ta[2], ta[3])
+                                else:
+                                    wx[k * VW + v] = pack1(ta[0])
+                                unpack_w(wx[k * VW + v], ta, 0, VEC)
                             for e in range(VEC):
-                                v[k * VEC + e] = round_bf16(v[k * VEC + e] + round_bf16(tb[e] * ta[e]))
-                            if VEC == 4:
-                                xr[j] = pack4(v[k * 4], v[k * 4 + 1], v[k * 4 + 2], v[k * 4 + 3])
+                                s += ta[e]
+                        if GATED:
+                            if VW == 2:
+                                st2(xr, 2 * j, wx[2 * k], wx[2 * k + 1])
                             else:
-                                xr[j] = pack1(v[k])
-                        for e in range(VEC):
-                            s += v[k * VEC + e]
-                    else:
-                        for e in range(VEC):
-                            v[k * VEC + e] = float32(0)
+                                xr[j] = wx[k]
                 mean = block_sum(s, smem) * inv_n
                 q = float32(0)
-                for k in range(NW):
-                    if tid + k * nt < Cw:
-                        for e in range(VEC):
-                            d = v[k * VEC + e] - mean
-                            q += d * d
+                for k in range(NS):
+                    if tid + k * nt < Cs:
+                        for v in range(VW):
+                            unpack_w(wx[k * VW + v], ta, 0, VEC)
+                            for e in range(VEC):
+                                d = ta[e] - mean
+                                q += d * d
                 var = block_sum(q, smem) * inv_n
                 r = rsqrt(var + eps)
-                for k in range(NW):
+                for k in range(NS):
                     j = tid + k * nt
-                    if j < Cw:
-                        unpack_w(wsh[k], ta, 0, VEC)
-                        unpack_w(wsc[k], tb, 0, VEC)
-                        for e in range(VEC):
-                            ta[e] = (v[k * VEC + e] - mean) * r * (float32(1) + tb[e]) + ta[e]
-                        if VEC == 4:
-                            orow[j] = pack4(ta[0], ta[1], ta[2], ta[3])
+                    if j < Cs:
+                        for v in range(VW):
+                            unpack_w(wx[k * VW + v], ta, 0, VEC)
+                            unpack_w(wsh[k * VW + v], tb, 0, VEC)
+                            unpack_w(wsc[k * VW + v], tc, 0, VEC)
+                            for e in range(VEC):
+                                ta[e] = (ta[e] - mean) * r * (float32(1) + tc[e]) + tb[e]
+                            if VEC == 4:
+                                wx[k * VW + v] = pack4(ta[0], ta[1], ta[2], ta[3])
+                            else:
+                                wx[k * VW + v] = pack1(ta[0])
+                        if VW == 2:
+                            st2(orow, 2 * j, wx[2 * k], wx[2 * k + 1])
                         else:
-                            orow[j] = pack1(ta[0])
+                            orow[j] = wx[k]
+                li += cuda.gridDim.y
+            b += cuda.gridDim.z
 
     return ik.jit_kernel(row_kernel)
 
@@ -132,11 +168,11 @@ def make_row_kernel(VEC, NW, GATED):
 _launchers = {}
 
 
-def _launcher(VEC, GATED):
-    key = (VEC, GATED)
+def _launcher(VEC, GATED, VW=1):
+    key = (VEC, GATED, VW)
     la = _launchers.get(key)
     if la is None:
-        la = _launchers[key] = ik.Launcher(lambda: make_row_kernel(VEC, NW_FOR[VEC], GATED))
+        la = _launchers[key] = ik.Launcher(lambda: make_row_kernel(VEC, NW_FOR[(VEC, VW)], GATED, VW))
     return la
 
 
@@ -171,11 +207,12 @@ def check(x, shift, scale, eps: float = 1e-6):
 
 
 def vec_views(x, *ts):
-    """int64 word views of all tensors when every one is 8-byte aligned, else int16 views."""
+    """(VEC, VW, views): int64 word views of all tensors when every one is 8-byte aligned
+    (VW 2 when also 16-byte aligned, see ``ik.aligned16``), else int16 views (VEC 1, VW 1)."""
     ws = [ik.words(t) for t in (x,) + ts]
     if all(w is not None for w in ws):
-        return 4, ws
-    return 1, [t.view(torch.int16) for t in (x,) + ts]
+        return 4, (2 if ik.aligned16(*ws) else 1), ws
+    return 1, 1, [t.view(torch.int16) for t in (x,) + ts]
 
 
 def _expand(t, B):
@@ -185,12 +222,27 @@ def _expand(t, B):
 def numba_ln_modulate(x, shift, scale, eps: float = 1e-6):
     B = x.shape[0]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    VEC, (xw, ow, shw, scw) = vec_views(x, out, _expand(shift, B), _expand(scale, B))
+    VEC, VW, (xw, ow, shw, scw) = vec_views(x, out, _expand(shift, B), _expand(scale, B))
     Cw = xw.shape[2]
     # y and gate are unused when GATED=0: pass x / shift again (same types, no extra work)
-    _launcher(VEC, 0)(ik.grid3(1, x.shape[1], B), _threads(Cw, NW_FOR[VEC]),
-                      xw, xw, shw, shw, scw, ow, np.float32(eps))
+    _launcher(VEC, 0, VW)(ik.grid3(1, x.shape[1], B), _threads(Cw, NW_FOR[(VEC, VW)]),
+                          xw, xw, shw, shw, scw, ow, np.float32(eps))
     return out
 
 
 registry.register_backend(OP, "numba", numba_ln_modulate, check=check)
+
+
+def _ptx_cases():
+    from numba import types as nt
+    A = lambda dt, nd: nt.Array(dt, nd, "A")  # noqa: E731
+    c = {}
+    for G in (0, 1):
+        n = "gated_ln" if G else "ln_modulate"
+        c[n + " v4w2"] = lambda G=G: (make_row_kernel(4, 4, G, 2), (A(nt.int64, 3),) * 6 + (nt.float32,))
+        c[n + " v4w1"] = lambda G=G: (make_row_kernel(4, 4, G, 1), (A(nt.int64, 3),) * 6 + (nt.float32,))
+        c[n + " v1"] = lambda G=G: (make_row_kernel(1, 16, G, 1), (A(nt.int16, 3),) * 6 + (nt.float32,))
+    return c
+
+
+PTX_CASES = _ptx_cases()

@@ -191,6 +191,80 @@ if not SIMULATOR:
 
         return sig, codegen
 
+
+    # ---- Hopper warpgroup MMA (wgmma, sm_90a): bf16 x bf16 -> f32, B from a shared-memory descriptor,
+    # A from registers (same per-warp fragment as mma.m16n8k16), accumulators in a local array that
+    # LLVM keeps in registers (constant indices only).
+    def _wgmma(N, transb):
+        NA = N // 2
+        text = ("{\n.reg .pred p;\nsetp.ne.b32 p, $" + str(NA + 5) + ", 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n" + str(N) + "k16.f32.bf16.bf16 {" +
+                ", ".join("$" + str(i) for i in range(NA)) + "}, {$" + str(NA) + ", $" + str(NA + 1) +
+                ", $" + str(NA + 2) + ", $" + str(NA + 3) + "}, $" + str(NA + 4) + ", p, 1, 1, " +
+                str(int(transb)) + ";\n}")
+        cons = ",".join(["=f"] * NA + ["r"] * 4 + ["l", "r"] + [str(i) for i in range(NA)] + ["~{memory}"])
+
+        @intrinsic
+        def _impl(typingctx, acc, a0, a1, a2, a3, desc, scale_d):
+            sig = types.void(acc, a0, a1, a2, a3, desc, scale_d)
+
+            def codegen(context, builder, s, args):
+                aryty, ary = s.args[0], args[0]
+                ptrs = [_ptr(context, builder, aryty, ary, types.intp, context.get_constant(types.intp, i))
+                        for i in range(NA)]
+                accs = [builder.load(p) for p in ptrs]
+                regs = [context.cast(builder, v, t, types.int32) for v, t in zip(args[1:5], s.args[1:5])]
+                d = context.cast(builder, args[5], s.args[5], types.int64)
+                sc = context.cast(builder, args[6], s.args[6], types.int32)
+                rty = ir.LiteralStructType([_f32] * NA)
+                fnty = ir.FunctionType(rty, [_i32] * 4 + [_i64, _i32] + [_f32] * NA)
+                asm = ir.InlineAsm(fnty, text, cons, side_effect=True)
+                r = builder.call(asm, regs + [d, sc] + accs)
+                for i in range(NA):
+                    builder.store(builder.extract_value(r, i), ptrs[i])
+                return context.get_dummy_value()
+
+            return sig, codegen
+        return _impl
+
+    _wg_cache = {}
+
+    def wgmma_op(N, transb):
+        """Device function wg(acc, a0, a1, a2, a3, desc, scale_d, sm, scr): acc (N/2 f32, local array)
+        = A (64x16, registers) @ B (16xN, descriptor) + (acc if scale_d else 0).  B is K-major
+        (transb=0) or MN-major (transb=1).  Issue only: wg_commit() + wg_wait0() before reading acc."""
+        key = (N, bool(transb))
+        f = _wg_cache.get(key)
+        if f is None:
+            raw = _wgmma(N, transb)
+
+            @cuda.jit(device=True, inline=True)
+            def f(acc, a0, a1, a2, a3, desc, scale_d, sm, scr):
+                raw(acc, a0, a1, a2, a3, desc, scale_d)
+            _wg_cache[key] = f
+        return f
+
+    _wg_fence = _asm_void("wgmma.fence.sync.aligned;")
+    _wg_commit = _asm_void("wgmma.commit_group.sync.aligned;")
+    _wg_wait0 = _asm_void("wgmma.wait_group.sync.aligned 0;")
+    _fence_async = _asm_void("fence.proxy.async.shared::cta;")
+
+    @cuda.jit(device=True, inline=True)
+    def wg_fence():
+        _wg_fence()
+
+    @cuda.jit(device=True, inline=True)
+    def wg_commit():
+        _wg_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def wg_wait0():
+        _wg_wait0()
+
+    @cuda.jit(device=True, inline=True)
+    def fence_proxy_async():
+        _fence_async()
+
     @cuda.jit(device=True, inline=True)
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr):
         return _mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
@@ -428,3 +502,70 @@ else:
     @cuda.jit(device=True)
     def bf16_hi(w):
         return np.float32(_bits_to_f32(_half(w, 1)))
+
+
+    # ---- wgmma emulation: the 128 threads of a warpgroup post their A registers, each thread then
+    # decodes A and B (from shared memory through the descriptor, same layout rules as the GPU) and
+    # computes its own accumulator fragment.
+    def _desc_fields(desc):
+        desc = int(desc)
+        return ((desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4, (desc >> 62) & 3)
+
+    def _wg_sim(acc, regs, desc, scale_d, sm, scr, N, transb):
+        tid = _tid()
+        wt = tid % 128
+        base = _slot(MAX_THREADS * 6) + (tid - wt) * 4
+        for i in range(4):
+            scr[base + wt * 4 + i] = regs[i]
+        cuda.syncthreads()
+        words = np.asarray(scr[base:base + 512]).astype(np.int64).astype(np.uint32).reshape(4, 32, 4)
+        A = np.zeros((64, 16))
+        for w in range(4):
+            for ln in range(32):
+                g, t = ln // 4, ln % 4
+                for r in range(4):
+                    row = 16 * w + g + 8 * (r % 2)
+                    col = 2 * t + 8 * (r // 2)
+                    u = int(words[w, ln, r])
+                    A[row, col] = _bits_to_f32(u & 0xFFFF)
+                    A[row, col + 1] = _bits_to_f32(u >> 16)
+        start, lbo, sbo, swz = _desc_fields(desc)
+        assert swz == 0, "emulation covers the no-swizzle layout only"
+        B = np.zeros((16, N))
+        for k in range(16):
+            for n in range(N):
+                if not transb:   # K-major: core matrix = 8 N-rows x 16 bytes of K
+                    addr = start + (n // 8) * sbo + (k // 8) * lbo + (n % 8) * 16 + (k % 8) * 2
+                else:            # MN-major: core matrix = 8 K-rows x 16 bytes of N
+                    addr = start + (k // 8) * lbo + (n // 8) * sbo + (k % 8) * 16 + (n % 8) * 2
+                B[k, n] = _bits_to_f32(_half(sm[addr // 4], (addr % 4) // 2))
+        w, ln = wt // 32, wt % 32
+        g, t = ln // 4, ln % 4
+        r0, r1 = A[16 * w + g] @ B, A[16 * w + g + 8] @ B
+        for j in range(N // 8):
+            vals = (r0[8 * j + 2 * t], r0[8 * j + 2 * t + 1], r1[8 * j + 2 * t], r1[8 * j + 2 * t + 1])
+            for e in range(4):
+                old = float(acc[4 * j + e]) if scale_d else 0.0
+                acc[4 * j + e] = np.float32(old + vals[e])
+
+    def wgmma_op(N, transb):
+        @cuda.jit(device=True)
+        def f(acc, a0, a1, a2, a3, desc, scale_d, sm, scr):
+            _wg_sim(acc, (a0, a1, a2, a3), desc, scale_d, sm, scr, N, transb)
+        return f
+
+    @cuda.jit(device=True)
+    def wg_fence():
+        pass
+
+    @cuda.jit(device=True)
+    def wg_commit():
+        pass
+
+    @cuda.jit(device=True)
+    def wg_wait0():
+        pass
+
+    @cuda.jit(device=True)
+    def fence_proxy_async():
+        pass

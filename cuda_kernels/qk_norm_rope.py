@@ -30,7 +30,7 @@ import torch
 from . import intrinsics as ik
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key then only hashes the factory's int constants
-from .intrinsics import cuda, float32, int64, unpack_w, pack4, unpack_f32x2, group_sum, rsqrt  # noqa: F401
+from .intrinsics import cuda, float32, int64, unpack_w, pack4, unpack_f32x2, group_sum, rsqrt, ld2, st2  # noqa: F401
 from .registry import registry
 
 OP = "qk_norm_rope"
@@ -81,121 +81,173 @@ def set_stock_rope(fn):
 registry.register(OP, reference, doc=__doc__)
 
 # ----------------------------------------------------------------------------- numba backend
-MAX_THREADS = 384
+MAX_THREADS = 128
 
 
-def make_qk_kernel():
-    """qkv0/qkv1 [B, L_p, 3*H*Dw] int64 words; scales [2, 2, D] fp32 (part, q|k);
-    pe [Bp, Ltot, D/2, 2] int64 (= fp32 pairs (m[r,0], m[r,1])); out [3, B, H, Ltot, Dw] int64."""
+LB = {"launch_bounds": (MAX_THREADS, 8)}
+
+
+def make_qk_kernel(VW=2):
+    """qkv0/qkv1 [B, L_p, 3*H*Dw] int64 words; scales [2, 2, D/2] int64 (fp32 pairs; part, q|k);
+    pe [Bp, Ltot, D] int64 (pair r: word 2r = (m[r,0,0], m[r,0,1]), 2r+1 = (m[r,1,0], m[r,1,1]));
+    out [3, B, H, Ltot, Dw] int64.  A group of G = Dw/VW lanes per head; lane w owns words
+    w*VW .. +VW (VW 2: 16-byte accesses) = elements 4*VW*w .. +4*VW; group g does head g (q, k
+    and v of it: three loads in flight per lane before any math; v stored straight away)."""
 
     RED = ik.RED_SMEM
+    NE = 4 * VW  # elements of one vector per lane
 
     def qk_kernel(qkv0, qkv1, scales, pe, out, L0, has_pe, eps):
         smem = cuda.shared.array(RED, float32)
-        sq = cuda.local.array(4, float32)
-        sk = cuda.local.array(4, float32)
-        m = cuda.local.array(8, float32)
-        a = cuda.local.array(8, float32)
-        ws = cuda.local.array(2, int64)
-        ss = cuda.local.array(2, float32)
+        wq = cuda.local.array(VW, int64)
+        wk = cuda.local.array(VW, int64)
+        wv = cuda.local.array(VW, int64)
+        a = cuda.local.array(NE, float32)
+        c = cuda.local.array(NE, float32)
+        f = cuda.local.array(4, float32)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         B = out.shape[1]
         H = out.shape[2]
         Ltot = out.shape[3]
         Dw = out.shape[4]
-        G = Dw  # lanes per head vector: a power of two <= 32
         lg = 0
-        while (1 << lg) < G:
+        while (1 << lg) < Dw:
             lg += 1
-        g = tid >> lg  # group (vector slot) of this lane, without a 64-bit division
+        if VW == 2:
+            lg -= 1
+        G = 1 << lg  # lanes per head vector: a power of two <= 32
+        g = tid >> lg
         w = tid & (G - 1)
         NG = nt >> lg
-        nv = 3 * H
         inv_d = float32(1) / float32(Dw * 4)
         Bp = pe.shape[0]
-        # grid (tokens, B), grid-stride in both: no integer division
-        for b in range(cuda.blockIdx.y, B, cuda.gridDim.y):
-            for t in range(cuda.blockIdx.x, Ltot, cuda.gridDim.x):
+        wo = w * VW  # first word of this lane in a head vector
+        b = cuda.blockIdx.y
+        while b < B:
+            pb = b
+            if pb >= Bp:
+                pb = Bp - 1
+            t = cuda.blockIdx.x
+            while t < Ltot:
                 p = 0
                 tl = t
                 if t >= L0:
                     p = 1
                     tl = t - L0
-                for e in range(4):
-                    sq[e] = scales[p, 0, 4 * w + e]
-                    sk[e] = scales[p, 1, 4 * w + e]
-                if has_pe:
-                    pb = b
-                    if pb >= Bp:
-                        pb = Bp - 1
-                    for i in range(2):
-                        c0 = unpack_f32x2(pe[pb, t, 2 * w + i, 0])  # (m[r=0, 0], m[0, 1])
-                        c1 = unpack_f32x2(pe[pb, t, 2 * w + i, 1])  # (m[1, 0], m[1, 1])
-                        m[4 * i] = c0[0]
-                        m[4 * i + 1] = c0[1]
-                        m[4 * i + 2] = c1[0]
-                        m[4 * i + 3] = c1[1]
-                for base in range(0, nv, 2 * NG):
-                    for u in range(2):  # both loads in flight before the reductions
-                        j = base + g + u * NG
-                        wv = int64(0)
-                        if j < nv:
-                            if p == 0:
-                                wv = qkv0[b, tl, j * Dw + w]
-                            else:
-                                wv = qkv1[b, tl, j * Dw + w]
-                        ws[u] = wv
-                    for u in range(2):
-                        unpack_w(ws[u], a, 4 * u, 4)
-                        sacc = float32(0)
-                        for e in range(4):
-                            sacc += a[4 * u + e] * a[4 * u + e]
-                        ss[u] = sacc
-                    ss[0] = group_sum(ss[0], G, smem)
-                    ss[1] = group_sum(ss[1], G, smem)
-                    for u in range(2):
-                        j = base + g + u * NG
-                        if j < nv:
-                            sec = 0
-                            h = j
-                            if j >= 2 * H:
-                                sec = 2
-                                h = j - 2 * H
-                            elif j >= H:
-                                sec = 1
-                                h = j - H
-                            if sec < 2:
-                                r = rsqrt(ss[u] * inv_d + eps)
-                                for e in range(4):
-                                    if sec == 0:
-                                        a[4 * u + e] *= r * sq[e]
-                                    else:
-                                        a[4 * u + e] *= r * sk[e]
-                                if has_pe:
-                                    for i in range(2):
-                                        x0 = a[4 * u + 2 * i]
-                                        x1 = a[4 * u + 2 * i + 1]
-                                        a[4 * u + 2 * i] = m[4 * i] * x0 + m[4 * i + 1] * x1
-                                        a[4 * u + 2 * i + 1] = m[4 * i + 2] * x0 + m[4 * i + 3] * x1
-                            out[sec, b, h, t, w] = pack4(a[4 * u], a[4 * u + 1], a[4 * u + 2], a[4 * u + 3])
+                if p == 0:
+                    row = qkv0[b, tl]
+                else:
+                    row = qkv1[b, tl]
+                h0 = cuda.blockIdx.z * NG
+                while h0 < H:  # uniform trip count over the block (shuffles below)
+                    h = h0 + g
+                    valid = h < H
+                    if valid:
+                        if VW == 2:
+                            t2 = ld2(row, h * Dw + wo)
+                            wq[0] = t2[0]
+                            wq[1] = t2[1]
+                            t2 = ld2(row, (H + h) * Dw + wo)
+                            wk[0] = t2[0]
+                            wk[1] = t2[1]
+                            t2 = ld2(row, (2 * H + h) * Dw + wo)
+                            st2(out[2, b, h, t], wo, t2[0], t2[1])
+                        else:
+                            wq[0] = row[h * Dw + wo]
+                            wk[0] = row[(H + h) * Dw + wo]
+                            wv[0] = row[(2 * H + h) * Dw + wo]
+                            out[2, b, h, t, wo] = wv[0]
+                    else:
+                        for u in range(VW):
+                            wq[u] = int64(0)
+                            wk[u] = int64(0)
+                    s_q = float32(0)
+                    s_k = float32(0)
+                    for u in range(VW):
+                        unpack_w(wq[u], a, 4 * u, 4)
+                        unpack_w(wk[u], c, 4 * u, 4)
+                    for e in range(NE):
+                        s_q += a[e] * a[e]
+                        s_k += c[e] * c[e]
+                    s_q = group_sum(s_q, G, smem)
+                    s_k = group_sum(s_k, G, smem)
+                    if valid:
+                        rq = rsqrt(s_q * inv_d + eps)
+                        rk = rsqrt(s_k * inv_d + eps)
+                        sqr = scales[p, 0]
+                        skr = scales[p, 1]
+                        for u in range(VW):  # scale words 2*wo + 2u, +1: 4 fp32 each pair
+                            t2 = ld2(sqr, 2 * wo + 2 * u)
+                            f[0], f[1] = unpack_f32x2(t2[0])
+                            f[2], f[3] = unpack_f32x2(t2[1])
+                            for e in range(4):
+                                a[4 * u + e] *= rq * f[e]
+                            t2 = ld2(skr, 2 * wo + 2 * u)
+                            f[0], f[1] = unpack_f32x2(t2[0])
+                            f[2], f[3] = unpack_f32x2(t2[1])
+                            for e in range(4):
+                                c[4 * u + e] *= rk * f[e]
+                        if has_pe:
+                            per = pe[pb, t]
+                            for i in range(2 * VW):  # rope pair i of this lane: pe words 4*wo + 2i, +1
+                                t2 = ld2(per, 4 * wo + 2 * i)
+                                f[0], f[1] = unpack_f32x2(t2[0])
+                                f[2], f[3] = unpack_f32x2(t2[1])
+                                x0 = a[2 * i]
+                                x1 = a[2 * i + 1]
+                                a[2 * i] = f[0] * x0 + f[1] * x1
+                                a[2 * i + 1] = f[2] * x0 + f[3] * x1
+                                x0 = c[2 * i]
+                                x1 = c[2 * i + 1]
+                                c[2 * i] = f[0] * x0 + f[1] * x1
+                                c[2 * i + 1] = f[2] * x0 + f[3] * x1
+                        for u in range(VW):
+                            wq[u] = pack4(a[4 * u], a[4 * u + 1], a[4 * u + 2], a[4 * u + 3])
+                            wk[u] = pack4(c[4 * u], c[4 * u + 1], c[4 * u + 2], c[4 * u + 3])
+                        if VW == 2:
+                            st2(out[0, b, h, t], wo, wq[0], wq[1])
+                            st2(out[1, b, h, t], wo, wk[0], wk[1])
+                        else:
+                            out[0, b, h, t, wo] = wq[0]
+                            out[1, b, h, t, wo] = wk[0]
+                    h0 += NG * cuda.gridDim.z
+                t += cuda.gridDim.x
+            b += cuda.gridDim.y
 
-    return ik.jit_kernel(qk_kernel)
+    return ik.jit_kernel(qk_kernel, **LB)
 
 
-_launcher = ik.Launcher(make_qk_kernel)
+_launchers = {}
 _scale_cache = {}
 _dummy_pe = {}
 
 
+def _launcher(VW):
+    la = _launchers.get(VW)
+    if la is None:
+        la = _launchers[VW] = ik.Launcher(lambda: make_qk_kernel(VW))
+    return la
+
+
 @functools.lru_cache(maxsize=1024)
-def _threads(G, nv):
-    """Threads per block: groups of G lanes, two vectors per group per pass, few passes."""
-    for nit in range(1, 64):
-        ng = -(-nv // (2 * nit))
-        if ng * G <= MAX_THREADS:
-            break
-    return max(32, -(-(ng * G) // 32) * 32)
+def _threads(G, H):
+    """(threads, head chunks): one group of G lanes per head, at most MAX_THREADS threads per
+    block; grid z = head chunks (small blocks: more of them resident per SM)."""
+    nt = max(32, -(-min(H * G, MAX_THREADS) // 32) * 32)
+    return nt, -(-H // (nt // G))
+
+
+def _ptx_cases():
+    from numba import types as nt
+    A = lambda dt, nd: nt.Array(dt, nd, "A")  # noqa: E731
+    sig = (A(nt.int64, 3), A(nt.int64, 3), A(nt.int64, 3), A(nt.int64, 3), A(nt.int64, 5),
+           nt.int64, nt.int64, nt.float32)
+    return {"qk_norm_rope w2": lambda: (make_qk_kernel(2), sig),
+            "qk_norm_rope w1": lambda: (make_qk_kernel(1), sig)}
+
+
+PTX_CASES = _ptx_cases()
 
 
 def check(parts, pe, num_heads: int, eps: float = 1e-6):
@@ -253,7 +305,7 @@ def _scales(parts, device):
         if len(rows) == 1:
             rows.append(rows[0])
         # the reference casts the scale to bf16 before multiplying: do the same rounding once
-        sc = torch.stack(rows).to(device=device, dtype=torch.bfloat16).float().contiguous()
+        sc = torch.stack(rows).to(device=device, dtype=torch.bfloat16).float().contiguous().view(torch.int64)
         if key is None:
             return sc
         if len(_scale_cache) > 512:
@@ -266,12 +318,16 @@ def _pe_arr(pe, D, device):
     if pe is None:
         d = _dummy_pe.get(device)
         if d is None:
-            d = _dummy_pe[device] = torch.zeros((1, 1, 1, 2), dtype=torch.int64, device=device)
+            d = _dummy_pe[device] = torch.zeros((1, 1, 2), dtype=torch.int64, device=device)
         return d
     Bp, Lt = pe.shape[0], pe.shape[2]
     # a free view for the contiguous pe ComfyUI and flux_core make (no cache: pe is new each step,
-    # and an inference-mode tensor has no version counter to validate a cached copy with)
-    return pe.reshape(Bp, Lt, D // 2, 4).contiguous().view(torch.int64)
+    # and an inference-mode tensor has no version counter to validate a cached copy with);
+    # the kernel reads it with 16-byte loads: copy when the base is not 16-byte aligned
+    w = pe.reshape(Bp, Lt, 2 * D).contiguous()
+    if w.data_ptr() % 16:
+        w = w.clone()
+    return w.view(torch.int64)
 
 
 def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6):
@@ -284,9 +340,12 @@ def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6):
     out = torch.empty((3, B, H, Ltot, D), dtype=qkv0.dtype, device=dev)
     a0 = ik.words(qkv0)
     a1 = ik.words(parts[1][0]) if len(parts) > 1 else a0
-    _launcher(ik.grid3(Ltot, B, 1), _threads(D // 4, 3 * H),
-              a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), out.view(torch.int64),
-              L0, 1 if pe is not None else 0, np.float32(eps))
+    ow = out.view(torch.int64)
+    VW = 2 if D >= 8 and ik.aligned16(a0, a1, ow) else 1
+    nt, nz = _threads(D // (4 * VW), H)
+    _launcher(VW)(ik.grid3(Ltot, B, nz), nt,
+                  a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow,
+                  L0, 1 if pe is not None else 0, np.float32(eps))
     return out[0], out[1], out[2]
 
 

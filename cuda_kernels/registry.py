@@ -57,7 +57,7 @@ class OpRegistry:
         self._local = threading.local()
         self._policy: Dict[str, str] = {}  # op name or "*" -> backend name or "auto"
         self.strict = False
-        self.autotune = False
+        self.autotune = True  # auto: measure candidates once per shape on CUDA (never slower than torch)
         self._tuned: Dict[tuple, str] = {}
         self._logged = set()
         self.usage: Counter = Counter()  # (op, backend) -> calls

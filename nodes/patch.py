@@ -36,6 +36,7 @@ log = logging.getLogger("flux_numba")
 PROFILES = ["exact", "stock-order"]
 ATTENTIONS = ["auto", "sdpa", "numba-bf16", "numba-8bit"]
 BACKENDS = ["auto", "torch", "numba"]
+CUDA_GRAPHS = ["auto", "off"]
 
 # registry backend names of the attention kernels (cuda_kernels/attention*.py register these)
 ATTENTION_BACKEND = {"numba-bf16": "numba", "numba-8bit": "numba-8bit"}
@@ -309,7 +310,8 @@ class _Runner:
         topts = args.get("transformer_options") or {}
         sig = (kind, tuple(img.shape), img.dtype, img.device, None if txt is None else tuple(txt.shape),
                None if mask is None else tuple(mask.shape))
-        ctx = self.ctx_cls(fused=self.fused, attention=self._attention(topts, sig))
+        ctx = self.ctx_cls(fused=self.fused, attention=self._attention(topts, sig),
+                           gemm_epilogue=self.fused and self.opts["backend"] == "auto" and self.opts["route_norms"])
         policy = self.policy
         choice = self.attn_choice.get(sig)
         if self.attn_route == "auto" and choice not in (None, REFERENCE_NAME):
@@ -343,6 +345,34 @@ class _Runner:
             return self.fallback(kind, index, why, args, extra)
         self.proven.add(sig)
         return out
+
+
+def _use_stock_rope():
+    """The torch reference of qk_norm_rope uses ComfyUI's own RoPE (comfy-kitchen's kernel), so the
+    pack's torch path costs what stock costs (a plain fp32 torch RoPE is ~13 ms/step slower)."""
+    try:
+        import comfy.ldm.flux.math as fm
+        from ..cuda_kernels import qk_norm_rope
+        qk_norm_rope.set_stock_rope(fm.apply_rope)
+    except Exception as e:
+        log.info("[flux_numba] stock RoPE not found (%s); torch path uses the plain torch RoPE", e)
+
+
+def warm_kernels(unique_id, opts) -> dict:
+    """Compile (or load from the on-disk cache) the kernels this patch may use, with progress on the
+    node; failures are reported (the ops then run on torch), never raised."""
+    from ..cuda_kernels import warmup
+    from .progress import compile_progress
+    ops = None if opts["route_norms"] else ["attention"]
+    calls = [c for c in warmup.warm_calls("cuda") if ops is None or c[0] in ops]
+    if opts["attention"] in ("sdpa",):
+        calls = [c for c in calls if c[0] != "attention"]
+    names = [c[0] for c in calls]
+    with compile_progress(unique_id, total=len(calls)) as prog:
+        res = warmup.warm_all("cuda", ops=sorted(set(names)), on_begin=prog.begin,
+                              on_step=lambda name, cached, dt, err: prog.step(name + (f" FAILED ({err})" if err else ""),
+                                                                              cached=cached))
+    return {k: {"s": round(v["seconds"], 2), "cached": v["cached"], "error": v["error"]} for k, v in res.items()}
 
 
 def _make_fn(runner, kind, index, previous=None):
@@ -386,22 +416,31 @@ class FluxNumbaPatch:
                                        "sdpa: ComfyUI's own optimized_attention (honours --use-*-attention and "
                                        "attention overrides). numba-bf16 / numba-8bit: the pack's kernels."}),
             "backend": (BACKENDS, {"default": "auto", "tooltip":
-                                   "auto: fastest usable backend per op. torch: every op on its torch reference "
-                                   "(faithful A/B baseline, also on CPU). numba: force the Numba kernels."}),
-        }}
+                                   "auto: fastest usable backend per op (measured once per shape on this GPU). "
+                                   "torch: every op on its torch reference (faithful A/B baseline, also on CPU). "
+                                   "numba: force the Numba kernels."}),
+            "cuda_graph": (CUDA_GRAPHS, {"default": "auto", "tooltip":
+                                         "auto: capture the whole FLUX forward as a CUDA graph once per shape and "
+                                         "replay it every step (removes launch overhead; off automatically with "
+                                         "low-VRAM offloading, ControlNet, reference latents or masks -- the log "
+                                         "says why). Costs ~one step of activation memory per captured shape."}),
+        },
+            "hidden": {"unique_id": "UNIQUE_ID"}}
 
     @staticmethod
-    def options(profile="exact", route_norms=True, attention="auto", backend="auto") -> dict:
+    def options(profile="exact", route_norms=True, attention="auto", backend="auto", cuda_graph="auto") -> dict:
         if isinstance(route_norms, str):
             route_norms = route_norms.lower() in ("on", "true", "1", "yes")
         for val, allowed, name in ((profile, PROFILES, "profile"), (attention, ATTENTIONS, "attention"),
-                                   (backend, BACKENDS, "backend")):
+                                   (backend, BACKENDS, "backend"), (cuda_graph, CUDA_GRAPHS, "cuda_graph")):
             if val not in allowed:
                 raise ValueError(f"FluxNumbaPatch: {name} must be one of {allowed}, got {val!r}")
-        return {"profile": profile, "route_norms": bool(route_norms), "attention": attention, "backend": backend}
+        return {"profile": profile, "route_norms": bool(route_norms), "attention": attention, "backend": backend,
+                "cuda_graph": cuda_graph}
 
-    def patch(self, model, profile="exact", route_norms=True, attention="auto", backend="auto"):
-        opts = self.options(profile, route_norms, attention, backend)
+    def patch(self, model, profile="exact", route_norms=True, attention="auto", backend="auto", cuda_graph="auto",
+              unique_id=None):
+        opts = self.options(profile, route_norms, attention, backend, cuda_graph)
         m = model.clone()
         info = dict(opts, active=False, reason=None, double_blocks=0, single_blocks=0, id=None)
 
@@ -453,8 +492,17 @@ class FluxNumbaPatch:
                 prev = prev._flux_numba_previous  # our own earlier patch: replace it, keep what it wrapped
             m.set_model_patch_replace(_make_fn(runner, kind, i, prev), "dit", f"{kind}_block", i)
             info[f"{kind}_blocks"] += 1
+        _use_stock_rope()
+        runtime = _pack()[2]
+        if opts["backend"] != "torch" and not runtime.SIMULATOR:
+            info["kernels"] = warm_kernels(unique_id, opts)
+        info["cuda_graph"] = "off"
+        if opts["cuda_graph"] == "auto":
+            from .cuda_graph import install
+            install(m)
+            info["cuda_graph"] = "auto"
         info.update(active=True, id=patch_id, attention_route=runner.attn_route,
-                    policy=dict(runner.policy), simulator=bool(getattr(_pack()[2], "SIMULATOR", False)))
+                    policy=dict(runner.policy), simulator=bool(getattr(runtime, "SIMULATOR", False)))
         m.model_options["transformer_options"][INFO_KEY] = info
         log.info("[flux_numba] FluxNumbaPatch: %d double + %d single blocks, %s", info["double_blocks"],
                  info["single_blocks"], {k: opts[k] for k in opts})

@@ -16,6 +16,8 @@ def _has_gpu():
 
 if not _has_gpu():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    # the simulator's block manager busy-polls its threads: a short switch interval makes it 5-10x faster
+    sys.setswitchinterval(5e-5)
 
 sys.path.insert(0, ROOT)
 import _pack  # noqa: E402

@@ -452,3 +452,28 @@ def test_patch_composes_with_other_block_patches(comfy):
     assert torch.equal(out, ref)
     assert patch_stats(pm2)["calls"] == N_BLOCKS and patch_stats(pm)["calls"] == 0
     assert pm2.model_options["transformer_options"]["flux_numba"]["profile"] == "stock-order"
+
+
+def test_cuda_graph_option(comfy, monkeypatch):
+    """cuda_graph=auto adds a DIFFUSION_MODEL wrapper; where capture is unsafe (here: no CUDA device)
+    it runs the step eagerly, says why, and the result is the unwrapped one. cuda_graph=off adds none."""
+    import comfy.patcher_extension as pe
+    from flux_numba_pack.nodes.cuda_graph import KEY
+    monkeypatch.setenv("FLUX_NUMBA_SIMULATOR_OK", "1")
+    mp = tiny_patcher(comfy)
+    inp = _inputs(torch.float32)
+    on, = Patch().patch(mp, backend="torch", cuda_graph="auto")
+    off, = Patch().patch(mp, backend="torch", cuda_graph="off")
+    assert not off.get_wrappers(pe.WrappersMP.DIFFUSION_MODEL, KEY)
+    (w,) = on.get_wrappers(pe.WrappersMP.DIFFUSION_MODEL, KEY)
+    assert on.model_options["transformer_options"]["flux_numba"]["cuda_graph"] == "auto"
+
+    def fwd(p):
+        to = dict(p.model_options["transformer_options"], wrappers=p.wrappers)
+        with torch.inference_mode():
+            return p.model.diffusion_model(inp["x"].clone(), inp["timestep"], inp["context"], y=inp["y"],
+                                           guidance=inp["guidance"], transformer_options=to)
+    a, b = fwd(on), fwd(off)
+    if DEVICE.type != "cuda":
+        assert w.last_mode == "eager: not a CUDA device"
+    assert torch.equal(a, b)

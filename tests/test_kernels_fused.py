@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from flux_numba_pack.cuda_kernels import registry
 from flux_numba_pack.cuda_kernels import intrinsics as ik
-from flux_numba_pack.cuda_kernels import ln_modulate as LM, gelu_tanh as GT
+from flux_numba_pack.cuda_kernels import ln_modulate as LM, gelu_tanh as GT, gated_residual as GR
+from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
 from flux_numba_pack.flux_core import blocks
 
 DEV = "cuda" if os.environ.get("FLUX_NUMBA_REAL_GPU") == "1" else "cpu"
@@ -63,7 +64,7 @@ def ref_of(op):
 
 
 # ------------------------------------------------------------------------------------ ln_modulate
-@pytest.mark.parametrize("B,L,C,offset", [(2, 7, 64, 0.0), (1, 5, 96, 30.0), (2, 3, 66, 0.5)])
+@pytest.mark.parametrize("B,L,C,offset", [(2, 7, 64, 0.0), (1, 5, 96, 30.0), (2, 3, 66, 0.5), (2, 3, 68, -1.0)])
 def test_ln_modulate(B, L, C, offset):
     torch.manual_seed(B * 100 + L + C)
     x = rnd(B, L, C, scale=2.0, offset=offset)
@@ -73,8 +74,9 @@ def test_ln_modulate(B, L, C, offset):
         y = registry.call("ln_modulate", x, sh, sc, 1e-6)
     assert registry.last["ln_modulate"] == "numba"
     close(y, ref_of("ln_modulate")(x, sh, sc, 1e-6))
-    if C % 4:  # rows not 8-byte aligned: the int16 scalar variant ran
-        assert LM._launchers[(1, 0)].kernel is not None
+    # variant (VEC, GATED, VW): C % 4 -> int16 scalar; C % 8 -> 8-byte words; else 16-byte pairs
+    key = (1, 0, 1) if C % 4 else (4, 0, 1) if C % 8 else (4, 0, 2)
+    assert LM._launchers[key].kernel is not None
 
 
 def test_ln_modulate_broadcast_batch():
@@ -87,7 +89,7 @@ def test_ln_modulate_broadcast_batch():
 
 
 # ------------------------------------------------------------------------------- gated residual
-@pytest.mark.parametrize("B,L,C", [(2, 7, 64), (1, 5, 96), (2, 3, 66)])
+@pytest.mark.parametrize("B,L,C", [(2, 7, 64), (1, 5, 96), (2, 3, 66), (2, 3, 68)])
 def test_gated_residual_bit_exact(B, L, C):
     torch.manual_seed(B + L + C)
     x = rnd(B, L, C, scale=4.0)
@@ -99,9 +101,11 @@ def test_gated_residual_bit_exact(B, L, C):
     assert r is x1
     ref_of("gated_residual")(x2, g, y)
     assert torch.equal(x1, x2), "gate*y rounded then added: must match stock bit for bit"
+    key = ("gated", 1, 1) if C % 4 else ("gated", 4, 1) if C % 8 else ("gated", 4, 2)
+    assert GR._launchers[key].kernel is not None
 
 
-@pytest.mark.parametrize("B,L,C", [(2, 7, 64), (2, 3, 66)])
+@pytest.mark.parametrize("B,L,C", [(2, 7, 64), (2, 3, 66), (1, 4, 68)])
 def test_gated_residual_ln_modulate(B, L, C):
     torch.manual_seed(7 + C)
     x = rnd(B, L, C, scale=3.0)
@@ -114,6 +118,8 @@ def test_gated_residual_ln_modulate(B, L, C):
     h2 = ref_of("gated_residual_ln_modulate")(x2, g, y, sh, sc, 1e-6)
     assert torch.equal(x1, x2)
     close(h1, h2)
+    key = ("ln", 1, 1) if C % 4 else ("ln", 4, 1) if C % 8 else ("ln", 4, 2)
+    assert GR._launchers[key].kernel is not None
 
 
 # ------------------------------------------------------------------------------------ gelu_tanh
@@ -128,15 +134,30 @@ def test_gelu_tanh_into_strided_out():
     assert r.data_ptr() == buf[..., C:].data_ptr()
     close(buf[..., C:], ref_of("gelu_tanh")(mlp), tol=1e-2)
     assert torch.isnan(buf[..., :C]).all(), "wrote outside out"
+    assert GT._launchers[(4, 2)].kernel is not None  # 16-byte pairs
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 40), (1, 7, 50)])
+@pytest.mark.parametrize("shape", [(2, 3, 40), (1, 7, 50), (2, 3, 36), (1, 2, 600)])
 def test_gelu_tanh_alloc(shape):
     torch.manual_seed(4)
     x = rnd(*shape, scale=4.0)
     with numba():
         y = registry.call("gelu_tanh", x)
     close(y, ref_of("gelu_tanh")(x), tol=1e-2)
+    W = shape[-1]
+    assert GT._launchers[(1, 1) if W % 4 else (4, 1) if W % 8 else (4, 2)].kernel is not None
+
+
+def test_gelu_tanh_extremes():
+    """Large |x| (exp overflow / underflow of the fast formula), zeros, inf, NaN propagation."""
+    v = [-1e4, -300.0, -90.0, -20.0, -5.0, -0.0, 0.0, 1e-30, 3.0, 20.0, 1e4, float("inf"), float("-inf"), float("nan")]
+    x = torch.tensor(v + [0.5] * 2, dtype=BF, device=DEV).reshape(1, 1, 16)
+    with numba():
+        y = registry.call("gelu_tanh", x)
+    r = ref_of("gelu_tanh")(x)
+    assert torch.equal(torch.isnan(y), torch.isnan(r))
+    m = ~torch.isnan(r)
+    torch.testing.assert_close(y[m].float(), r[m].float(), rtol=1e-2, atol=1e-2)
 
 
 def test_gelu_tanh_unaligned_view():
@@ -146,7 +167,7 @@ def test_gelu_tanh_unaligned_view():
     with numba():
         y = registry.call("gelu_tanh", x)
     close(y, ref_of("gelu_tanh")(x), tol=1e-2)
-    assert GT._launchers[1].kernel is not None  # scalar (int16) variant
+    assert GT._launchers[(1, 1)].kernel is not None  # scalar (int16) variant
 
 
 # ---------------------------------------------------------------------------------- qk_norm_rope
@@ -169,16 +190,33 @@ def _qk_case(parts, pe, H):
     assert torch.equal(v, vr)
 
 
-@pytest.mark.parametrize("D,pe_batch", [(32, 1), (16, 2), (64, 0)])
-def test_qk_norm_rope_two_parts(D, pe_batch):
+@pytest.mark.parametrize("D,pe_batch,pad", [(32, 1, 8), (16, 2, 8), (64, 0, 8), (32, 1, 4), (8, 1, 8), (4, 2, 4)])
+def test_qk_norm_rope_two_parts(D, pe_batch, pad):
     torch.manual_seed(D + pe_batch)
     B, H, L1, L2 = 2, 2, 5, 7
     txt = rnd(B, L1, 3 * H * D, scale=2.0)
-    img = rnd(B, L2, 3 * H * D + 8)[..., :3 * H * D]  # row-strided
+    img = rnd(B, L2, 3 * H * D + pad)[..., :3 * H * D]  # row-strided (pad 4: rows only 8-byte aligned)
     scales = [rnd(D, offset=1.0) for _ in range(4)]
     pe = None if pe_batch == 0 else (torch.randn(pe_batch, 1, L1 + L2, D // 2, 2, 2, device=DEV) if pe_batch == 2
                                      else rope_pe(1, L1 + L2, D))
     _qk_case([(txt, scales[0], scales[1]), (img, scales[2], scales[3])], pe, H)
+
+
+def test_qk_norm_rope_head_chunks(monkeypatch):
+    """More heads than one block holds: grid z over head chunks, a partial last chunk, D=128."""
+    monkeypatch.setattr(QK, "MAX_THREADS", 32)
+    QK._threads.cache_clear()
+    try:
+        torch.manual_seed(12)
+        B, H, D, L1, L2 = 1, 5, 128, 2, 3
+        txt = rnd(B, L1, 3 * H * D, scale=2.0)
+        img = rnd(B, L2, 3 * H * D)
+        s = [rnd(D, offset=1.0) for _ in range(4)]
+        assert QK._threads(D // 8, H) == (32, 3)
+        _qk_case([(txt, s[0], s[1]), (img, s[2], s[3])], rope_pe(1, L1 + L2, D), H)
+        assert QK._launchers[2].kernel is not None
+    finally:
+        QK._threads.cache_clear()
 
 
 def test_qk_norm_rope_single_strided():

@@ -1,0 +1,364 @@
+"""GPU check + timing of groupnorm_silu and of ComfyUI's FLUX VAE decoder, stock vs patched.
+
+    FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=.carry/ComfyUI python bench/gpu_vae.py
+
+1. groupnorm_silu at the decoder's shapes (bf16, plus fp32 / silu off / large-mean cases):
+   error vs an fp32 reference (relative Frobenius + max abs, next to stock bf16's own error),
+   NaN check with NaN-poisoned output/partials; CUDA-event timing (median of 25 after
+   warm-up) of ours vs stock ``F.group_norm`` + ``F.silu``; GB/s for 3*numel*itemsize bytes
+   (read x twice, write y) against a same-size device copy and the 3.7 TB/s copy ceiling;
+   per-kernel split (stats / normalize) on the largest shape; Python cost per call.
+2. If ComfyUI imports (COMFYUI_PATH, default .carry/ComfyUI): its FLUX VAE Decoder (ch 128,
+   ch_mult [1,2,4,4], 2 res blocks, z 16, random weights, bf16), decode of a [1,16,128,128]
+   latent (1024^2 image) stock vs patched (median of 5 after 2 warm-ups), PSNR patched vs
+   stock and both vs an fp32 decoder with the same weights; GroupNorm-kernel time from the
+   profiler for both.
+3. The node itself on a real ``comfy.sd.VAE`` (FLUX keys, random weights): ComfyUI's decode
+   stock vs patched (30 numba calls, PSNR), and the stock VAE restored afterwards.
+Never stops at the first failure; table last; JSON to $OUT/gpu_vae.json if OUT is set.
+"""
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("FLUX_NUMBA_REAL_GPU", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import _pack  # noqa: E402
+
+_pack.load()
+from flux_numba_pack.cuda_kernels import registry  # noqa: E402
+from flux_numba_pack.cuda_kernels import groupnorm_silu as gn  # noqa: E402
+
+T0 = time.time()
+DEV = "cuda"
+CEIL = 3.7e12
+torch.backends.cudnn.allow_tf32 = False
+torch.backends.cuda.matmul.allow_tf32 = False
+rows = []
+results = {}
+
+
+def note(name, **kw):
+    results[name] = kw
+    print(f"[{time.time() - T0:6.1f}s] {name}: " + ", ".join(f"{k}={v}" for k, v in kw.items()), flush=True)
+
+
+def median_ms(fn, warm=3, rep=25):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(rep):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return sorted(ts)[len(ts) // 2]
+
+
+def ours(x, G, w, b, eps, silu):
+    registry.strict = True
+    try:
+        with registry.force("numba", ops=[gn.OP]):
+            return registry.call(gn.OP, x, G, w, b, eps, silu=silu)
+    finally:
+        registry.strict = False
+
+
+def stock(x, G, w, b, eps, silu):
+    y = F.group_norm(x, G, w, b, eps)
+    return F.silu(y, inplace=True) if silu else y  # ComfyUI: SiLU(inplace=True)
+
+
+def poisoned(fn):
+    real_like, real_empty = torch.empty_like, torch.empty
+    torch.empty_like = lambda t, *a, **k: real_like(t, *a, **k).fill_(float("nan"))
+    torch.empty = lambda *a, **k: (lambda o: o.fill_(float("nan")) if o.is_floating_point() else o)(real_empty(*a, **k))
+    try:
+        return fn()
+    finally:
+        torch.empty_like, torch.empty = real_like, real_empty
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------- kernel
+CASES = [
+    # name, shape, dtype, silu, mean
+    ("512x128^2", (1, 512, 128, 128), torch.bfloat16, True, 0.0),
+    ("512x256^2", (1, 512, 256, 256), torch.bfloat16, True, 0.0),
+    ("512x512^2", (1, 512, 512, 512), torch.bfloat16, True, 0.0),
+    ("256x1024^2", (1, 256, 1024, 1024), torch.bfloat16, True, 0.0),
+    ("128x1024^2", (1, 128, 1024, 1024), torch.bfloat16, True, 0.0),
+    ("512x128^2 nosilu", (1, 512, 128, 128), torch.bfloat16, False, 0.0),
+    ("256x512^2 fp32", (1, 256, 512, 512), torch.float32, True, 0.0),
+    ("256x512^2 fp32 mean100", (1, 256, 512, 512), torch.float32, False, 100.0),
+    ("2x128x97x131 odd", (2, 128, 97, 131), torch.bfloat16, True, 0.0),
+]
+
+
+def run_case(name, shape, dt, silu, mean):
+    g = torch.Generator(device=DEV).manual_seed(hash(name) % 2**31)
+    x = (torch.randn(shape, device=DEV, generator=g) * 2 + mean).to(dt)
+    C = shape[1]
+    w = (1 + 0.3 * torch.randn(C, device=DEV, generator=g)).to(dt)
+    b = (0.3 * torch.randn(C, device=DEV, generator=g)).to(dt)
+    eps = 1e-6
+    ref = F.group_norm(x.double() if mean else x.float(), 32, w.double() if mean else w.float(),
+                       b.double() if mean else b.float(), eps)
+    if silu:
+        ref = F.silu(ref)
+    y = poisoned(lambda: ours(x, 32, w, b, eps, silu))
+    torch.cuda.synchronize()
+    nan = bool(torch.isnan(y).any())
+    err = rel(y, ref)
+    maxabs = (y.double() - ref.double()).abs().max().item()
+    serr = rel(stock(x, 32, w, b, eps, silu), ref)
+    del ref
+    t_ours = median_ms(lambda: ours(x, 32, w, b, eps, silu))
+    t_stock = median_ms(lambda: stock(x, 32, w, b, eps, silu))
+    buf = torch.empty_like(x)
+    t_copy = median_ms(lambda: buf.copy_(x))
+    nbytes = 3 * x.numel() * x.element_size()
+    gbs = nbytes / (t_ours * 1e-3) / 1e9
+    copy_gbs = 2 * x.numel() * x.element_size() / (t_copy * 1e-3) / 1e9
+    ok = (not nan) and err <= max(2 * serr, 1e-5) + (4e-3 if dt == torch.bfloat16 else 1e-5)
+    note(name, ok=ok, nan=nan, rel_err=f"{err:.2e}", stock_rel_err=f"{serr:.2e}", max_abs=f"{maxabs:.2e}",
+         ours_ms=round(t_ours, 4), stock_ms=round(t_stock, 4), speedup=round(t_stock / t_ours, 2),
+         GBps=round(gbs), copy_GBps=round(copy_gbs), pct_copy=round(100 * gbs / copy_gbs, 1),
+         pct_3p7=round(100 * gbs * 1e9 / CEIL, 1), MB=round(nbytes / 1e6, 1))
+    rows.append((name, "OK" if ok else "FAIL", f"{err:.1e}/{serr:.1e}", f"{t_stock:.3f}", f"{t_ours:.3f}",
+                 f"{t_stock / t_ours:.1f}x", f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%"))
+    return x, w, b
+
+
+def split_and_overhead(x, w, b):
+    y, k_stats, k_norm = gn.plan(x, 32, w, b, 1e-6, True)
+    t1 = median_ms(k_stats)
+    t2 = median_ms(k_norm)
+    n = x.numel() * x.element_size()
+    note("split 128x1024^2", stats_ms=round(t1, 4), stats_GBps=round(n / t1 / 1e6),
+         norm_ms=round(t2, 4), norm_GBps=round(2 * n / t2 / 1e6))
+    xs = torch.randn(1, 512, 16, 16, device=DEV, dtype=torch.bfloat16)
+    ws, bs = w.new_ones(512), w.new_zeros(512)
+    with registry.force("numba", ops=[gn.OP]):
+        for _ in range(20):
+            registry.call(gn.OP, xs, 32, ws, bs, 1e-6, silu=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(300):
+            registry.call(gn.OP, xs, 32, ws, bs, 1e-6, silu=True)
+        cpu_us = (time.perf_counter() - t) / 300 * 1e6
+        torch.cuda.synchronize()
+    note("python cost per call", us=round(cpu_us, 1))
+    rows.append(("python/call", "", "", "", f"{cpu_us:.0f}us", "", "", ""))
+
+
+# ----------------------------------------------------------------------------- decoder
+def comfy_decoder():
+    p = os.environ.get("COMFYUI_PATH", os.path.join(ROOT, ".carry", "ComfyUI"))
+    if not os.path.isdir(os.path.join(p, "comfy")):
+        return None, f"no ComfyUI tree at {p}"
+    sys.path.insert(0, os.path.abspath(p))
+    try:
+        import comfy.ldm.modules.diffusionmodules.model as M
+    except Exception as e:
+        return None, f"ComfyUI not importable: {type(e).__name__}: {e}"
+    return M, None
+
+
+def init_(dec, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    with torch.no_grad():
+        for n, p in dec.named_parameters():
+            if "norm" in n and n.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, device=DEV, generator=g))
+            elif p.ndim == 1:
+                p.copy_(0.05 * torch.randn(p.shape, device=DEV, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, device=DEV, generator=g) / math.sqrt(p[0].numel()))
+
+
+def psnr(a, b):
+    a, b = a.float(), b.float()
+    rng = (b.max() - b.min()).item()
+    mse = ((a - b) ** 2).mean().item()
+    return float("inf") if mse == 0 else 10 * math.log10(rng * rng / mse)
+
+
+def gn_kernel_ms(fn):
+    """(GroupNorm-kernel ms, all-kernel ms) from the profiler (kernel names matched loosely)."""
+    from torch.profiler import profile, ProfilerActivity
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    except Exception as e:
+        print("profiler failed:", e)
+        return float("nan"), float("nan")
+    tot = gnk = 0.0
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0.0)
+        k = ev.key.lower()
+        tot += t
+        if any(s in k for s in ("group_norm", "groupnorm", "moments", "stats", "norm_", "cudakernel_norm")):
+            gnk += t
+    return gnk / 1e3, tot / 1e3
+
+
+def run_decoder():
+    M, why = comfy_decoder()
+    if M is None:
+        note("decoder", skipped=why)
+        rows.append(("decoder", "SKIP", why[:40], "", "", "", "", ""))
+        return
+    from flux_numba_pack.nodes import vae_patch as VP
+    cfg = dict(ch=128, out_ch=3, ch_mult=[1, 2, 4, 4], num_res_blocks=2, attn_resolutions=[], in_channels=3,
+               resolution=256, z_channels=16)
+    with torch.device(DEV):
+        dec = M.Decoder(**cfg)
+    init_(dec)
+    dec = dec.eval().to(DEV, torch.bfloat16)
+    pat, counts = VP.patched_decoder(dec, backend="numba")
+    z = torch.randn(1, 16, 128, 128, device=DEV, dtype=torch.bfloat16)
+    registry.strict = True
+    with torch.no_grad():
+        out_s = dec(z)
+        registry.take_usage()
+        out_p = pat(z)
+        used = registry.take_usage().get(gn.OP, {})
+        t_s = median_ms(lambda: dec(z), warm=2, rep=5)
+        t_p = median_ms(lambda: pat(z), warm=2, rep=5)
+        gs, ts = gn_kernel_ms(lambda: dec(z))
+        gp, tp = gn_kernel_ms(lambda: pat(z))
+        with torch.device(DEV):
+            d32 = M.Decoder(**cfg)
+        d32.load_state_dict({k: v.float() for k, v in dec.state_dict().items()})
+        d32 = d32.eval().to(DEV, torch.float32)
+        out_f = d32(z.float())
+        del d32
+    registry.strict = False
+    nan = bool(torch.isnan(out_p).any())
+    p_ps, p_sf, p_pf = psnr(out_p, out_s), psnr(out_s, out_f), psnr(out_p, out_f)
+    ok = (not nan) and used == {"numba": 30} and p_pf >= p_sf - 3
+    note("decoder 1024^2 bf16", ok=ok, counts=counts, gn_calls=used, stock_ms=round(t_s, 2),
+         patched_ms=round(t_p, 2), speedup=round(t_s / t_p, 3), psnr_patched_vs_stock=round(p_ps, 1),
+         psnr_stock_vs_fp32=round(p_sf, 1), psnr_patched_vs_fp32=round(p_pf, 1),
+         prof_gn_ms_stock=round(gs, 2), prof_total_ms_stock=round(ts, 2),
+         prof_gn_ms_patched=round(gp, 2), prof_total_ms_patched=round(tp, 2))
+    rows.append(("decoder 1024^2", "OK" if ok else "FAIL", f"psnr {p_ps:.0f}dB", f"{t_s:.2f}", f"{t_p:.2f}",
+                 f"{t_s / t_p:.2f}x", f"GN {gs:.1f}->{gp:.1f}ms", ""))
+
+
+def run_node_path():
+    """The real node on a real ``comfy.sd.VAE`` (FLUX keys, random weights): ComfyUI's own
+    decode (load_models_gpu -> object patch) stock vs patched, and the stock VAE afterwards."""
+    M, why = comfy_decoder()
+    if M is None:
+        note("node path", skipped=why)
+        return
+    try:
+        import comfy.sd
+        from comfy.ldm.models.autoencoder import AutoencodingEngine
+    except Exception as e:
+        note("node path", skipped=f"comfy.sd not importable: {type(e).__name__}: {e}")
+        rows.append(("node VAE.decode", "SKIP", str(e)[:40], "", "", "", "", ""))
+        return
+    from flux_numba_pack.nodes import vae_patch as VP
+    dd = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+          "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+    m = AutoencodingEngine(regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+                           encoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": dd},
+                           decoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", "params": dd})
+    g = torch.Generator().manual_seed(1)
+    sd = {}
+    for k, v in m.state_dict().items():
+        r = torch.randn(v.shape, generator=g)
+        sd[k] = (1 + 0.2 * r) if ("norm" in k and k.endswith("weight")) else (
+            0.05 * r if v.ndim == 1 else r / math.sqrt(v[0].numel()))
+    del m
+    vae = comfy.sd.VAE(sd=sd)
+    out = VP.FluxNumbaVAEPatch().patch(vae)[0]
+    z = torch.randn(1, 16, 128, 128, generator=g)
+    registry.take_usage()
+    with torch.inference_mode():  # as ComfyUI's executor runs nodes
+        a = vae.decode(z)
+        b = out.decode(z)
+        used = registry.take_usage().get(gn.OP, {})
+        c = vae.decode(z)  # stock again: the object patch must be gone
+        restored = type(vae.first_stage_model.decoder).__name__ == "Decoder"
+        t_s = median_ms(lambda: vae.decode(z), warm=1, rep=3)
+        t_p = median_ms(lambda: out.decode(z), warm=1, rep=3)
+    p = psnr(b, a)
+    ok = out is not vae and used.get("numba", 0) == 30 and restored and bool((a == c).all()) and p > 40
+    note("node path VAE.decode 1024^2", ok=ok, gn_calls=used, stock_restored=restored, stock_ms=round(t_s, 2),
+         patched_ms=round(t_p, 2), psnr_patched_vs_stock=round(p, 1), vae_dtype=str(vae.vae_dtype))
+    rows.append(("node VAE.decode", "OK" if ok else "FAIL", f"psnr {p:.0f}dB", f"{t_s:.2f}", f"{t_p:.2f}",
+                 f"{t_s / t_p:.2f}x", "(incl. copy to CPU)", ""))
+
+
+def main():
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    keep = None
+    for c in CASES:
+        try:
+            r = run_case(*c)
+            if c[0] == "128x1024^2":
+                keep = r
+            del r
+        except Exception as e:
+            traceback.print_exc()
+            note(c[0], ok=False, error=f"{type(e).__name__}: {e}")
+            rows.append((c[0], "ERROR", str(e)[:40], "", "", "", "", ""))
+        torch.cuda.empty_cache()
+    try:
+        if keep is not None:
+            split_and_overhead(*keep)
+    except Exception as e:
+        traceback.print_exc()
+        note("split", error=f"{type(e).__name__}: {e}")
+    keep = None
+    torch.cuda.empty_cache()
+    try:
+        run_decoder()
+    except Exception as e:
+        traceback.print_exc()
+        note("decoder", ok=False, error=f"{type(e).__name__}: {e}")
+        rows.append(("decoder", "ERROR", str(e)[:40], "", "", "", "", ""))
+    torch.cuda.empty_cache()
+    try:
+        if time.time() - T0 < 90:
+            run_node_path()
+        else:
+            note("node path", skipped="time budget")
+    except Exception as e:
+        traceback.print_exc()
+        note("node path", ok=False, error=f"{type(e).__name__}: {e}")
+        rows.append(("node VAE.decode", "ERROR", str(e)[:40], "", "", "", "", ""))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_vae.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    hdr = ("case", "check", "err ours/stock", "stock ms", "ours ms", "speedup", "GB/s", "% copy")
+    w = [max(len(str(r[i])) for r in rows + [hdr]) for i in range(len(hdr))]
+    print(f"\n=== groupnorm_silu / FLUX VAE decoder (H200; bytes = 3*numel*itemsize; ceiling 3.7 TB/s), "
+          f"{time.time() - T0:.0f}s ===")
+    for r in [hdr] + rows:
+        print("  ".join(str(v).ljust(w[i]) for i, v in enumerate(r)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+"""Numba-CUDA kernels for FLUX, one op per module, each with its torch reference.
+
+Importing this package registers every op in ``registry``.  No ComfyUI imports here.
+"""
+from .registry import registry, REFERENCE  # noqa: F401
+from . import runtime  # noqa: F401
+from . import ln_modulate, gated_residual, qk_norm_rope, gelu_tanh, attention  # noqa: F401
+from . import groupnorm_silu  # noqa: F401
+from . import linear_gelu  # noqa: F401
+
+ops = registry

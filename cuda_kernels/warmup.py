@@ -1,0 +1,88 @@
+"""Compile (or load from numba's on-disk cache) every Numba backend before the first step.
+
+``warm_all(device, on_step=None)`` runs each registered Numba backend once on small FLUX-shaped
+tensors (bf16, head dim 128), so the JIT happens at a moment the UI can show progress for, not
+silently inside the first sampling step.  Whether numba wrote new cache entries (compiled) or
+only read existing ones (on-disk cache) is read from the cache directories' ``.nbc`` files.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .registry import registry
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cache_files() -> set:
+    dirs = [os.path.join(HERE, "__pycache__")]
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        dirs.append(os.environ["NUMBA_CACHE_DIR"])
+    out = set()
+    for d in dirs:
+        out.update(glob.glob(os.path.join(d, "**", "*.nbc"), recursive=True))
+    return out
+
+
+def warm_calls(device) -> List[Tuple[str, str, Callable]]:
+    """(op, backend, call) for every Numba backend, at small shapes with FLUX's widths."""
+    dev, bf = torch.device(device), torch.bfloat16
+    H, D, C, M, L = 24, 128, 3072, 12288, 80
+    g = torch.Generator(device="cpu").manual_seed(0)
+    r = lambda *s, dt=bf: torch.randn(*s, generator=g).to(dev, dt)
+    x, y = r(1, L, C), r(1, L, C)
+    mod = r(1, 1, 6 * C)
+    sh, sc, gt = mod[..., :C], mod[..., C:2 * C], mod[..., 2 * C:3 * C]
+    qkv_t, qkv_i, s = r(1, 16, 3 * C), r(1, L - 16, 3 * C), torch.ones(D, device=dev, dtype=bf)
+    pe = r(1, 1, L, D // 2, 2, 2, dt=torch.float32)
+    lin1, buf = r(1, L, 3 * C + M), torch.empty(1, L, C + M, device=dev, dtype=bf)
+    q = r(1, H, L, D)
+    gn, w = r(1, 128, 16, 16), torch.ones(128, device=dev, dtype=bf)
+    calls = [
+        ("ln_modulate", "numba", lambda: registry.call("ln_modulate", x, sh, sc, 1e-6)),
+        ("gated_residual", "numba", lambda: registry.call("gated_residual", x.clone(), gt, y)),
+        ("gated_residual_ln_modulate", "numba", lambda: registry.call("gated_residual_ln_modulate", x.clone(), gt, y, sh, sc, 1e-6)),
+        ("qk_norm_rope", "numba", lambda: registry.call("qk_norm_rope", [(qkv_t, s, s), (qkv_i, s, s)], pe, H, 1e-6)),
+        ("gelu_tanh", "numba", lambda: registry.call("gelu_tanh", lin1[..., 3 * C:], out=buf[..., C:])),
+        ("attention", "numba", lambda: registry.call("attention", q, q, q, None)),
+        ("attention", "numba-8bit", lambda: registry.call("attention", q, q, q, None)),
+        ("groupnorm_silu", "numba", lambda: registry.call("groupnorm_silu", gn, 32, w, w, 1e-6, True)),
+    ]
+    return [(op, b, fn) for op, b, fn in calls if op in registry.ops and b in registry.backends(op)]
+
+
+def warm_all(device="cuda", ops: Optional[List[str]] = None, on_begin: Callable = None,
+             on_step: Callable = None) -> Dict[str, dict]:
+    """Run each Numba backend once.  on_begin(name) / on_step(name, cached: bool, seconds, error)."""
+    results = {}
+    for op, backend, fn in warm_calls(device):
+        if ops is not None and op not in ops:
+            continue
+        name = op if backend == "numba" else f"{op}/{backend}"
+        if on_begin:
+            on_begin(name)
+        before = _cache_files()
+        t0 = time.perf_counter()
+        err = None
+        try:
+            with registry.force(**{op: backend}):
+                strict, registry.strict = registry.strict, True
+                try:
+                    fn()
+                finally:
+                    registry.strict = strict
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:  # reported, never raised: the op then runs on torch
+            err = f"{type(e).__name__}: {e}"
+        dt = time.perf_counter() - t0
+        cached = err is None and not (_cache_files() - before)
+        results[name] = {"seconds": dt, "cached": cached, "error": err}
+        if on_step:
+            on_step(name, cached, dt, err)
+    return results
