@@ -200,8 +200,13 @@ def main():
             t0 = time.time()
             out = fn()
             first = time.time() - t0
+            del out
             registry.take_usage()
+            if dev.type == "cuda":  # steady state: JIT, autotune trial copies and capture are behind us
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             times = median_ms(fn, dev, warmup=a.warmup, reps=a.reps)
+            out = fn()
             used = registry.take_usage()
             r = {"ms": med(times), "times": times, "first_call_s": first,
                  "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else None,

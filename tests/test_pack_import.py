@@ -101,16 +101,20 @@ def test_v1_schema(node_id):
 
 
 def test_patch_schema_and_options():
-    from flux_numba_pack.nodes.patch import FluxNumbaPatch, ATTENTIONS, BACKENDS, PROFILES
+    from flux_numba_pack.nodes.patch import FluxNumbaPatch, ATTENTIONS, BACKENDS, PROFILES, CUDA_GRAPHS
     req = FluxNumbaPatch.INPUT_TYPES()["required"]
     assert req["model"][0] == "MODEL"
     assert req["profile"][0] == PROFILES == ["exact", "stock-order"]
     assert req["attention"][0] == ATTENTIONS == ["auto", "sdpa", "numba-bf16", "numba-8bit"]
     assert req["backend"][0] == BACKENDS == ["auto", "torch", "numba"]
     assert req["route_norms"][0] == "BOOLEAN"
+    assert req["cuda_graph"][0] == CUDA_GRAPHS == ["auto", "off"]
+    assert FluxNumbaPatch.INPUT_TYPES()["hidden"] == {"unique_id": "UNIQUE_ID"}
     o = FluxNumbaPatch.options("stock-order", "off", "sdpa", "torch")
-    assert o == {"profile": "stock-order", "route_norms": False, "attention": "sdpa", "backend": "torch"}
-    for bad in (dict(profile="fast"), dict(attention="flash"), dict(backend="cuda")):
+    assert o == {"profile": "stock-order", "route_norms": False, "attention": "sdpa", "backend": "torch",
+                 "cuda_graph": "auto"}
+    assert FluxNumbaPatch.options(cuda_graph="off")["cuda_graph"] == "off"
+    for bad in (dict(profile="fast"), dict(attention="flash"), dict(backend="cuda"), dict(cuda_graph="yes")):
         with pytest.raises(ValueError):
             FluxNumbaPatch.options(**bad)
 
