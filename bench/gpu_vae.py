@@ -4,17 +4,22 @@
 
 1. groupnorm_silu at the decoder's shapes (bf16, plus fp32 / silu off / large-mean cases):
    error vs an fp32 reference (relative Frobenius + max abs, next to stock bf16's own error),
-   NaN check with NaN-poisoned output/partials; CUDA-event timing (median of 25 after
-   warm-up) of ours vs stock ``F.group_norm`` + ``F.silu``; GB/s for 3*numel*itemsize bytes
-   (read x twice, write y) against a same-size device copy and the 3.7 TB/s copy ceiling;
-   per-kernel split (stats / normalize) on the largest shape; Python cost per call.
+   NaN check with NaN-poisoned output/partials; timing of ours vs stock ``F.group_norm`` +
+   ``F.silu``: DEVICE time = 10 back-to-back calls queued behind ``torch.cuda._sleep`` (long
+   enough to cover their host launch time) between CUDA events / 10, median of 3; HOST us/call
+   = wall time of issuing those calls; plus the run-5 metric (events around ONE call, median
+   of 25: host latency + device); GB/s for 3*numel*itemsize bytes (read x twice, write y)
+   from device time, against a same-size device copy timed the same way and the 3.7 TB/s
+   ceiling; per-kernel device split (stats / normalize) on 128x1024^2; Python cost per call.
 2. If ComfyUI imports (COMFYUI_PATH, default .carry/ComfyUI): its FLUX VAE Decoder (ch 128,
    ch_mult [1,2,4,4], 2 res blocks, z 16, random weights, bf16), decode of a [1,16,128,128]
    latent (1024^2 image) stock vs patched (median of 5 after 2 warm-ups), PSNR patched vs
    stock and both vs an fp32 decoder with the same weights; GroupNorm-kernel time from the
    profiler for both.
 3. The node itself on a real ``comfy.sd.VAE`` (FLUX keys, random weights): ComfyUI's decode
-   stock vs patched (30 numba calls, PSNR), and the stock VAE restored afterwards.
+   stock vs patched (backend auto: the registry's autotune may keep torch on shapes where it
+   measured faster; every call of >= 32M elements must run numba; PSNR > 40 dB), and the stock
+   VAE restored afterwards.
 Never stops at the first failure; table last; JSON to $OUT/gpu_vae.json if OUT is set.
 """
 import json
@@ -64,6 +69,35 @@ def median_ms(fn, warm=3, rep=25):
         e.synchronize()
         ts.append(s.elapsed_time(e))
     return sorted(ts)[len(ts) // 2]
+
+
+def device_ms(fn, reps=10, trials=3):
+    """(device ms per call, host us per call, queued ok): ``reps`` back-to-back calls queued behind
+    a GPU sleep long enough to cover their host launch time, so the events bracket device work
+    only; median over ``trials``.  Host us/call = wall time of issuing the calls (no sync)."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = time.perf_counter() - t
+    torch.cuda.synchronize()
+    cycles = int(max(4_000_000, 3.0 * host * 2.0e9))  # ~2 GHz: 3x the host time of the loop
+    devs, hosts = [], []
+    for _ in range(trials):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        s.record()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        hosts.append(time.perf_counter() - t)
+        e.record()
+        e.synchronize()
+        devs.append(s.elapsed_time(e) / reps)
+    dev = sorted(devs)[len(devs) // 2]
+    h = sorted(hosts)[len(hosts) // 2]
+    return dev, h / reps * 1e6, h * 1e3 < 0.8 * cycles / 2.0e6
 
 
 def ours(x, G, w, b, eps, silu):
@@ -127,30 +161,40 @@ def run_case(name, shape, dt, silu, mean):
     maxabs = (y.double() - ref.double()).abs().max().item()
     serr = rel(stock(x, 32, w, b, eps, silu), ref)
     del ref
-    t_ours = median_ms(lambda: ours(x, 32, w, b, eps, silu))
-    t_stock = median_ms(lambda: stock(x, 32, w, b, eps, silu))
+    # device time (calls queued behind a GPU sleep) and host launch cost, separately
+    t_ours, h_ours, q_ours = device_ms(lambda: ours(x, 32, w, b, eps, silu))
+    t_stock, h_stock, q_stock = device_ms(lambda: stock(x, 32, w, b, eps, silu))
     buf = torch.empty_like(x)
-    t_copy = median_ms(lambda: buf.copy_(x))
+    t_copy, _, _ = device_ms(lambda: buf.copy_(x))
+    w_ours = median_ms(lambda: ours(x, 32, w, b, eps, silu))  # one call between events (run-5 metric)
+    w_stock = median_ms(lambda: stock(x, 32, w, b, eps, silu))
     nbytes = 3 * x.numel() * x.element_size()
     gbs = nbytes / (t_ours * 1e-3) / 1e9
     copy_gbs = 2 * x.numel() * x.element_size() / (t_copy * 1e-3) / 1e9
     ok = (not nan) and err <= max(2 * serr, 1e-5) + (4e-3 if dt == torch.bfloat16 else 1e-5)
     note(name, ok=ok, nan=nan, rel_err=f"{err:.2e}", stock_rel_err=f"{serr:.2e}", max_abs=f"{maxabs:.2e}",
-         ours_ms=round(t_ours, 4), stock_ms=round(t_stock, 4), speedup=round(t_stock / t_ours, 2),
+         ours_dev_ms=round(t_ours, 4), stock_dev_ms=round(t_stock, 4), speedup=round(t_stock / t_ours, 2),
+         ours_host_us=round(h_ours, 1), stock_host_us=round(h_stock, 1), queued_ok=q_ours and q_stock,
+         ours_call_ms=round(w_ours, 4), stock_call_ms=round(w_stock, 4), copy_dev_ms=round(t_copy, 4),
          GBps=round(gbs), copy_GBps=round(copy_gbs), pct_copy=round(100 * gbs / copy_gbs, 1),
          pct_3p7=round(100 * gbs * 1e9 / CEIL, 1), MB=round(nbytes / 1e6, 1))
     rows.append((name, "OK" if ok else "FAIL", f"{err:.1e}/{serr:.1e}", f"{t_stock:.3f}", f"{t_ours:.3f}",
-                 f"{t_stock / t_ours:.1f}x", f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%"))
+                 f"{t_stock / t_ours:.1f}x", f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%",
+                 f"{h_ours:.0f}/{h_stock:.0f}" + ("" if q_ours and q_stock else "!"), f"{w_ours:.3f}"))
     return x, w, b
 
 
 def split_and_overhead(x, w, b):
     y, k_stats, k_norm = gn.plan(x, 32, w, b, 1e-6, True)
-    t1 = median_ms(k_stats)
-    t2 = median_ms(k_norm)
+    t1, h1, _ = device_ms(k_stats)
+    k_stats()
+    t2, h2, _ = device_ms(k_norm)
     n = x.numel() * x.element_size()
-    note("split 128x1024^2", stats_ms=round(t1, 4), stats_GBps=round(n / t1 / 1e6),
-         norm_ms=round(t2, 4), norm_GBps=round(2 * n / t2 / 1e6))
+    note("split 128x1024^2 (device)", stats_ms=round(t1, 4), stats_GBps=round(n / t1 / 1e6),
+         norm_ms=round(t2, 4), norm_GBps=round(2 * n / t2 / 1e6), stats_host_us=round(h1, 1),
+         norm_host_us=round(h2, 1))
+    rows.append(("split stats/norm", "", "", "", f"{t1:.3f}/{t2:.3f}", "",
+                 f"{n / t1 / 1e6:.0f}/{2 * n / t2 / 1e6:.0f}", "", f"{h1:.0f}/{h2:.0f}", ""))
     xs = torch.randn(1, 512, 16, 16, device=DEV, dtype=torch.bfloat16)
     ws, bs = w.new_ones(512), w.new_zeros(512)
     with registry.force("numba", ops=[gn.OP]):
@@ -163,7 +207,7 @@ def split_and_overhead(x, w, b):
         cpu_us = (time.perf_counter() - t) / 300 * 1e6
         torch.cuda.synchronize()
     note("python cost per call", us=round(cpu_us, 1))
-    rows.append(("python/call", "", "", "", f"{cpu_us:.0f}us", "", "", ""))
+    rows.append(("python/call 512x16^2", "", "", "", "", "", "", "", f"{cpu_us:.0f}", ""))
 
 
 # ----------------------------------------------------------------------------- decoder
@@ -224,7 +268,7 @@ def run_decoder():
     M, why = comfy_decoder()
     if M is None:
         note("decoder", skipped=why)
-        rows.append(("decoder", "SKIP", why[:40], "", "", "", "", ""))
+        rows.append(("decoder", "SKIP", why[:40], "", "", "", "", "", "", ""))
         return
     from flux_numba_pack.nodes import vae_patch as VP
     cfg = dict(ch=128, out_ch=3, ch_mult=[1, 2, 4, 4], num_res_blocks=2, attn_resolutions=[], in_channels=3,
@@ -261,7 +305,7 @@ def run_decoder():
          prof_gn_ms_stock=round(gs, 2), prof_total_ms_stock=round(ts, 2),
          prof_gn_ms_patched=round(gp, 2), prof_total_ms_patched=round(tp, 2))
     rows.append(("decoder 1024^2", "OK" if ok else "FAIL", f"psnr {p_ps:.0f}dB", f"{t_s:.2f}", f"{t_p:.2f}",
-                 f"{t_s / t_p:.2f}x", f"GN {gs:.1f}->{gp:.1f}ms", ""))
+                 f"{t_s / t_p:.2f}x", f"GN {gs:.1f}->{gp:.1f}ms", "", "", ""))
 
 
 def run_node_path():
@@ -276,7 +320,7 @@ def run_node_path():
         from comfy.ldm.models.autoencoder import AutoencodingEngine
     except Exception as e:
         note("node path", skipped=f"comfy.sd not importable: {type(e).__name__}: {e}")
-        rows.append(("node VAE.decode", "SKIP", str(e)[:40], "", "", "", "", ""))
+        rows.append(("node VAE.decode", "SKIP", str(e)[:40], "", "", "", "", "", "", ""))
         return
     from flux_numba_pack.nodes import vae_patch as VP
     dd = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
@@ -295,20 +339,42 @@ def run_node_path():
     out = VP.FluxNumbaVAEPatch().patch(vae)[0]
     z = torch.randn(1, 16, 128, 128, generator=g)
     registry.take_usage()
+    calls = []  # (x shape, backend) of every groupnorm_silu call of the patched decode
+    real_call = registry.call
+
+    def spy(op, *a, **k):
+        r = real_call(op, *a, **k)
+        if op == gn.OP:
+            calls.append((tuple(a[0].shape), registry.last[op]))
+        return r
     with torch.inference_mode():  # as ComfyUI's executor runs nodes
         a = vae.decode(z)
-        b = out.decode(z)
+        registry.call = spy  # instance attribute shadows the method (vae_patch calls registry.call)
+        try:
+            b = out.decode(z)  # backend "auto": the registry's autotune may pick torch where it is faster
+        finally:
+            del registry.call
         used = registry.take_usage().get(gn.OP, {})
         c = vae.decode(z)  # stock again: the object patch must be gone
         restored = type(vae.first_stage_model.decoder).__name__ == "Decoder"
         t_s = median_ms(lambda: vae.decode(z), warm=1, rep=3)
         t_p = median_ms(lambda: out.decode(z), warm=1, rep=3)
     p = psnr(b, a)
-    ok = out is not vae and used.get("numba", 0) == 30 and restored and bool((a == c).all()) and p > 40
-    note("node path VAE.decode 1024^2", ok=ok, gn_calls=used, stock_restored=restored, stock_ms=round(t_s, 2),
-         patched_ms=round(t_p, 2), psnr_patched_vs_stock=round(p, 1), vae_dtype=str(vae.vae_dtype))
+    by_shape = {}
+    for shp, be in calls:
+        d = by_shape.setdefault("x".join(map(str, shp)), {})
+        d[be] = d.get(be, 0) + 1
+    # auto may keep torch on small shapes where it measured faster; the big ones (>= 32M elements:
+    # 512x256^2 and up) must run numba
+    big_not_numba = sorted({k for k, d in by_shape.items() if math.prod(map(int, k.split("x"))) >= 2 ** 25
+                            and set(d) != {"numba"}})
+    ok = (out is not vae and len(calls) == 30 and sum(used.values()) == 30 and not big_not_numba and restored
+          and bool((a == c).all()) and p > 40)
+    note("node path VAE.decode 1024^2", ok=ok, gn_calls=used, by_shape=by_shape, big_not_numba=big_not_numba,
+         stock_restored=restored, stock_ms=round(t_s, 2), patched_ms=round(t_p, 2),
+         psnr_patched_vs_stock=round(p, 1), vae_dtype=str(vae.vae_dtype))
     rows.append(("node VAE.decode", "OK" if ok else "FAIL", f"psnr {p:.0f}dB", f"{t_s:.2f}", f"{t_p:.2f}",
-                 f"{t_s / t_p:.2f}x", "(incl. copy to CPU)", ""))
+                 f"{t_s / t_p:.2f}x", f"numba {used.get('numba', 0)}/30", "(incl. copy to CPU)", "", ""))
 
 
 def main():
@@ -323,7 +389,7 @@ def main():
         except Exception as e:
             traceback.print_exc()
             note(c[0], ok=False, error=f"{type(e).__name__}: {e}")
-            rows.append((c[0], "ERROR", str(e)[:40], "", "", "", "", ""))
+            rows.append((c[0], "ERROR", str(e)[:40], "", "", "", "", "", "", ""))
         torch.cuda.empty_cache()
     try:
         if keep is not None:
@@ -338,7 +404,7 @@ def main():
     except Exception as e:
         traceback.print_exc()
         note("decoder", ok=False, error=f"{type(e).__name__}: {e}")
-        rows.append(("decoder", "ERROR", str(e)[:40], "", "", "", "", ""))
+        rows.append(("decoder", "ERROR", str(e)[:40], "", "", "", "", "", "", ""))
     torch.cuda.empty_cache()
     try:
         if time.time() - T0 < 90:
@@ -348,14 +414,18 @@ def main():
     except Exception as e:
         traceback.print_exc()
         note("node path", ok=False, error=f"{type(e).__name__}: {e}")
-        rows.append(("node VAE.decode", "ERROR", str(e)[:40], "", "", "", "", ""))
+        rows.append(("node VAE.decode", "ERROR", str(e)[:40], "", "", "", "", "", "", ""))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gpu_vae.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
-    hdr = ("case", "check", "err ours/stock", "stock ms", "ours ms", "speedup", "GB/s", "% copy")
+    hdr = ("case", "check", "err ours/stock", "stock dev ms", "ours dev ms", "speedup", "GB/s", "% copy",
+           "host us ours/stock", "ours 1-call ms")
     w = [max(len(str(r[i])) for r in rows + [hdr]) for i in range(len(hdr))]
     print(f"\n=== groupnorm_silu / FLUX VAE decoder (H200; bytes = 3*numel*itemsize; ceiling 3.7 TB/s), "
           f"{time.time() - T0:.0f}s ===")
+    print("dev ms: 10 calls queued behind a GPU sleep / 10 (device only); host us: Python+launch per call "
+          "(! = host outran the sleep); 1-call ms: events around one call (host+device, run-5 metric); "
+          "% copy: vs a same-size device copy timed the same way")
     for r in [hdr] + rows:
         print("  ".join(str(v).ljust(w[i]) for i, v in enumerate(r)))
 

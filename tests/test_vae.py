@@ -75,6 +75,11 @@ CASES = [
     ((2, 64, 4, 6), torch.bfloat16, torch.bfloat16, False),  # 8-byte vectors, bf16
     ((2, 96, 6, 6), torch.float32, torch.float32, False),   # 8-byte vectors, fp32
     ((2, 64, 8, 8), torch.bfloat16, torch.float32, True),   # bf16 x, fp32 affine params
+    # main loops (>= U*TPB slots per group run / plane in the simulator), every slot width:
+    ((1, 32, 16, 16), torch.bfloat16, torch.bfloat16, True),  # 16-byte slots, bf16
+    ((1, 32, 8, 16), torch.float32, torch.float32, True),     # 16-byte slots, fp32
+    ((1, 32, 12, 11), torch.bfloat16, torch.bfloat16, True),  # 8-byte words (H*W % 8 == 4), bf16
+    ((1, 32, 6, 11), torch.float32, torch.bfloat16, False),   # 8-byte words, fp32 x, bf16 params
 ]
 
 
@@ -91,9 +96,32 @@ def test_groupnorm_silu_matches_reference(shape, dt, wdt, silu, strict, poison):
         torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-5)
 
 
+def test_slot_modes():
+    """The shapes above reach every load/store width (16-byte, 8-byte, element)."""
+    def mode(shape, dt):
+        x = torch.empty(shape, dtype=dt, device=DEV)
+        return gn._mode(x, shape[2] * shape[3])
+    assert [mode(c[0], c[1]) for c in CASES] == [0, 0, 2, 2, 2, 2, 2, 1, 1]
+
+
+def test_unaligned_view_uses_narrower_slots(strict, poison):
+    """x starting 8 bytes into a buffer: 8-byte words instead of 16-byte slots; 2 bytes: elements."""
+    g = torch.Generator().manual_seed(5)
+    buf = torch.randn(32 * 8 * 8 + 8, generator=g).to(torch.bfloat16).to(DEV)
+    w = (1 + 0.3 * torch.randn(32, generator=g)).to(torch.bfloat16).to(DEV)
+    b = (0.3 * torch.randn(32, generator=g)).to(torch.bfloat16).to(DEV)
+    for off, want in ((4, 1), (1, 0)):
+        x = buf[off:off + 32 * 8 * 8].view(1, 32, 8, 8)
+        assert gn._mode(x, 64) == want
+        y = _numba(x, 32, w, b, 1e-6, True)
+        ref = gn.reference(x, 32, w, b, 1e-6, True)
+        assert not torch.isnan(y).any()
+        torch.testing.assert_close(y.float(), ref.float(), atol=2e-2, rtol=1.6e-2)
+
+
 def test_multi_chunk_statistics(strict, poison, monkeypatch):
     """Several blocks per group (partials merged in the normalize kernel), as on the GPU."""
-    monkeypatch.setattr(gn, "_chunks", lambda ng, lv, tpb: 4)
+    monkeypatch.setattr(gn, "_chunks", lambda ng, ls, per_iter: 4)
     x, w, b = _inputs((1, 32, 8, 10), torch.bfloat16, torch.bfloat16, seed=3)
     y = _numba(x, 32, w, b, 1e-6, True)
     ref = gn.reference(x.float(), 32, w.float(), b.float(), 1e-6, True)
