@@ -150,6 +150,8 @@ def prompt():
         "save_patched": {"class_type": "SaveImage", "inputs": {"images": ["dec_patched", 0], "filename_prefix": "patched"}},
         "report": {"class_type": "FluxNumbaTimingReport", "inputs": {"samples": ["ks_patched", 0], "samples_2": ["ks_stock", 0],
                                                                       "selection": "last", "width": 512, "height": 256}},
+        "save_report": {"class_type": "SaveImage", "inputs": {"images": ["report", 0], "filename_prefix": "timing"}},
+        "compare": {"class_type": "FluxNumbaQualityCompare", "inputs": {"image_a": ["dec_stock", 0], "image_b": ["dec_patched", 0]}},
     }
 
 
@@ -183,3 +185,8 @@ def test_flux_graph_patched_matches_stock(server):
     assert "FluxNumbaPatch: 1 double + 1 single blocks" in log, log[-3000:]
     text = json.dumps(outs["report"])
     assert "patched" in text and "stock" in text, text[:2000]
+    (chart,) = outs["save_report"]["images"]  # the timing chart is saved with the outputs
+    assert Image.open(os.path.join(server["base"], "output", chart.get("subfolder", ""), chart["filename"])).size == (512, 256)
+    shown = " ".join(outs["compare"]["text"])  # the compare node shows PSNR/SSIM on the node
+    assert "PSNR" in shown and "SSIM" in shown, shown
+    print(f"stock vs patched PNG PSNR {psnr:.1f} dB; compare node: {shown}")
