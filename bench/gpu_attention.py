@@ -2,6 +2,10 @@
 
     FLUX_NUMBA_REAL_GPU=1 python bench/gpu_attention.py            # all checks + timings
     FLUX_ATTN_QUICK=1 ...                                          # only the FLUX shape
+    FLUX_ATTN_VARIANTS=4w,8w,wg,wgr,wg2 FLUX_ATTN_8BIT_VARIANTS=mma,wg,wgr ...   # kernels to compare
+    FLUX_ATTN_CHECK_ALL=1 ...                                      # check every case with every variant
+(wg* variants are Hopper-only inline-PTX kernels: run them in a separate process from the default
+ones, so that a faulting kernel cannot poison the CUDA context of the main measurement.)
 
 Checks (fresh random inputs, poisoned outputs, NaN check): relative Frobenius error vs an fp32
 SDPA (math backend, TF32 off) next to bf16 SDPA's own error, at [1,24,4608,128] (FLUX 1024^2),
@@ -122,14 +126,25 @@ def time_ms(fn, reps=25, warm=3):
 
 
 BACKENDS = [b for b in ("numba", "numba-8bit") if b in registry.backends("attention")]
-# backend labels; "numba@8w" = the numba backend with the 8-warp (128 x 64) tiling variant
-LABELS = [("numba", "numba", "4w"), ("numba@8w", "numba", "8w")] if "numba" in BACKENDS else []
-LABELS += [(b, b, "4w") for b in BACKENDS if b != "numba"]
+# backend labels; "numba@8w" = the numba backend with the 8-warp (128 x 64) tiling variant.
+# FLUX_ATTN_VARIANTS (default "4w,8w"): bf16 tilings to compare ("wg" / "wg2" = Hopper wgmma kernel
+# with 1 / 2 warpgroups per block); FLUX_ATTN_8BIT_VARIANTS (default "mma"): 8-bit kernels.
+VARS = [x for x in os.environ.get("FLUX_ATTN_VARIANTS", "4w,8w").split(",") if x]
+VARS8 = [x for x in os.environ.get("FLUX_ATTN_8BIT_VARIANTS", "mma").split(",") if x]
+CHECK_ALL = os.environ.get("FLUX_ATTN_CHECK_ALL") == "1"   # check every case with every variant
+LABELS = [("numba" if v == "4w" else f"numba@{v}", "numba", v) for v in VARS] if "numba" in BACKENDS else []
+LABELS += [("numba-8bit" if v == "mma" else f"numba-8bit@{v}", "numba-8bit", "8:" + v)
+           for v in VARS8 if "numba-8bit" in BACKENDS]
 
 
 def variant(v):
     try:
-        A.set_variant(v)
+        if v.startswith("8:"):
+            A.set_variant8(v[2:])
+        else:
+            A.set_variant(v)
+            if v == "4w" and hasattr(A, "set_variant8"):
+                A.set_variant8("mma")
     except Exception as ex:  # older attention.py without variants
         print("set_variant failed:", ex)
 
@@ -151,7 +166,7 @@ def check_case(name, B, H, L, D, mask=None, qk_scale=1.0, seed=0, out_view=False
     r32 = ref32(q, k, v, mask)
     e16 = rel(sdpa16(q, k, v, mask), r32)
     for label, be, var in LABELS:
-        if var != "4w" and not name.startswith("[1,24,4608"):
+        if var not in ("4w", "8:mma") and not CHECK_ALL and not name.startswith("[1,24,4608"):
             continue
         variant(var)
         try:
@@ -204,11 +219,24 @@ def bench_case(name, B, H, L, D):
             ok = tf >= 400 if be == "numba" else t <= 0.33
             note(f"time {name} {label}", ms=round(t, 4), tflops=round(tf, 1), meets_bar=ok)
             rows.append((f"time {name}", label, f"{t:.4f} ms", f"{tf:.0f} TFLOP/s" + ("" if ok else " (below bar)")))
-            if be == "numba-8bit":  # split: quantization pre-pass (numba, used) vs the torch one
+            if be == "numba-8bit" and var == "8:mma":  # split: quantization pre-pass (numba) vs torch
                 tq = time_ms(lambda: A.quantize_8bit_numba(q, k, v))
                 rows.append((f"time {name}", "  of which numba quant pre-pass", f"{tq:.4f} ms", ""))
                 tq = time_ms(lambda: A.quantize_8bit(q, k, v))
                 rows.append((f"time {name}", "  (torch quant pre-pass, unused)", f"{tq:.4f} ms", ""))
+                if not DRY:  # device time only: replay CUDA graphs (no Python launch overhead)
+                    for what, fn in (("pre-pass", lambda: A.quantize_8bit_numba(q, k, v)),
+                                     ("8-bit total", lambda: call(be, q, k, v, None, out=out))):
+                        try:
+                            gr = torch.cuda.CUDAGraph()
+                            with torch.cuda.graph(gr):
+                                fn()
+                            tg = time_ms(gr.replay)
+                            note(f"time {name} {what} (CUDA graph)", ms=round(tg, 4))
+                            rows.append((f"time {name}", f"  {what} in a CUDA graph", f"{tg:.4f} ms", ""))
+                            del gr
+                        except Exception as ex:
+                            rows.append((f"time {name}", f"  {what} in a CUDA graph", type(ex).__name__, "ERR"))
         except Exception as ex:
             traceback.print_exc()
             rows.append((f"time {name}", label, type(ex).__name__, "ERR"))

@@ -38,6 +38,17 @@ Helpers (same signatures on both paths):
   quad_max(x, scrf) / quad_sum(x, scrf)       reduce over the 4 lanes of a quad (xor 1, 2)
   pack_bf16(lo, hi) / pack_f16(lo, hi) -> int32   two fp32 -> bf16x2 / f16x2, round to nearest even
   bf16_lo(w) / bf16_hi(w) -> float32          unpack
+Hopper (sm_90a) warpgroup MMA -- the whole 128-thread warpgroup calls uniformly:
+  wgmma_op(N, transb, kind="bf16") -> wg(acc, a0, a1, a2, a3, desc, scale_d, sm, scr)
+      m64nNk16 bf16 (m64nNk32 s8 with kind="s8"), A from registers (each warp: its 16 rows in the
+      mma.m16n8k16 / k32 A layout above), B from shared memory through a 64-bit descriptor:
+      (addr >> 4) | (LBO >> 4) << 16 | (SBO >> 4) << 32, swizzle 0 ("interleave": each 8 x 16-byte
+      core matrix is 128 contiguous bytes).  LBO = byte distance between core matrices along K,
+      SBO = along M/N (K-major B: transb=0; MN-major B: transb=1, bf16 only).  acc: local array of
+      N/2 f32 (s32) in the C/D layout above, repeated per 8 columns; accumulates when scale_d.
+      The simulator emulates it from the descriptor (no-swizzle only).
+  wg_fence() / wg_commit() / wg_wait0()      wgmma.fence / commit_group / wait_group 0
+  fence_proxy_async()                         fence.proxy.async.shared::cta (cp.async -> wgmma)
 """
 from __future__ import annotations
 
@@ -195,14 +206,17 @@ if not SIMULATOR:
     # ---- Hopper warpgroup MMA (wgmma, sm_90a): bf16 x bf16 -> f32, B from a shared-memory descriptor,
     # A from registers (same per-warp fragment as mma.m16n8k16), accumulators in a local array that
     # LLVM keeps in registers (constant indices only).
-    def _wgmma(N, transb):
+    def _wgmma(N, transb, kind="bf16"):
         NA = N // 2
+        s8 = kind == "s8"
+        tail = ", p;\n}" if s8 else ", p, 1, 1, " + str(int(transb)) + ";\n}"
         text = ("{\n.reg .pred p;\nsetp.ne.b32 p, $" + str(NA + 5) + ", 0;\n"
-                "wgmma.mma_async.sync.aligned.m64n" + str(N) + "k16.f32.bf16.bf16 {" +
+                "wgmma.mma_async.sync.aligned.m64n" + str(N) +
+                ("k32.s32.s8.s8 {" if s8 else "k16.f32.bf16.bf16 {") +
                 ", ".join("$" + str(i) for i in range(NA)) + "}, {$" + str(NA) + ", $" + str(NA + 1) +
-                ", $" + str(NA + 2) + ", $" + str(NA + 3) + "}, $" + str(NA + 4) + ", p, 1, 1, " +
-                str(int(transb)) + ";\n}")
-        cons = ",".join(["=f"] * NA + ["r"] * 4 + ["l", "r"] + [str(i) for i in range(NA)] + ["~{memory}"])
+                ", $" + str(NA + 2) + ", $" + str(NA + 3) + "}, $" + str(NA + 4) + tail)
+        ac, at = ("r", _i32) if s8 else ("f", _f32)
+        cons = ",".join(["=" + ac] * NA + ["r"] * 4 + ["l", "r"] + [str(i) for i in range(NA)] + ["~{memory}"])
 
         @intrinsic
         def _impl(typingctx, acc, a0, a1, a2, a3, desc, scale_d):
@@ -216,8 +230,8 @@ if not SIMULATOR:
                 regs = [context.cast(builder, v, t, types.int32) for v, t in zip(args[1:5], s.args[1:5])]
                 d = context.cast(builder, args[5], s.args[5], types.int64)
                 sc = context.cast(builder, args[6], s.args[6], types.int32)
-                rty = ir.LiteralStructType([_f32] * NA)
-                fnty = ir.FunctionType(rty, [_i32] * 4 + [_i64, _i32] + [_f32] * NA)
+                rty = ir.LiteralStructType([at] * NA)
+                fnty = ir.FunctionType(rty, [_i32] * 4 + [_i64, _i32] + [at] * NA)
                 asm = ir.InlineAsm(fnty, text, cons, side_effect=True)
                 r = builder.call(asm, regs + [d, sc] + accs)
                 for i in range(NA):
@@ -229,14 +243,15 @@ if not SIMULATOR:
 
     _wg_cache = {}
 
-    def wgmma_op(N, transb):
+    def wgmma_op(N, transb, kind="bf16"):
         """Device function wg(acc, a0, a1, a2, a3, desc, scale_d, sm, scr): acc (N/2 f32, local array)
         = A (64x16, registers) @ B (16xN, descriptor) + (acc if scale_d else 0).  B is K-major
-        (transb=0) or MN-major (transb=1).  Issue only: wg_commit() + wg_wait0() before reading acc."""
-        key = (N, bool(transb))
+        (transb=0) or MN-major (transb=1).  kind="s8": m64nNk32 int8 x int8 -> int32 (acc int32,
+        K-major B only).  Issue only: wg_commit() + wg_wait0() before reading acc."""
+        key = (N, bool(transb), kind)
         f = _wg_cache.get(key)
         if f is None:
-            raw = _wgmma(N, transb)
+            raw = _wgmma(N, transb, kind)
 
             @cuda.jit(device=True, inline=True)
             def f(acc, a0, a1, a2, a3, desc, scale_d, sm, scr):
@@ -511,47 +526,84 @@ else:
         desc = int(desc)
         return ((desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4, (desc >> 62) & 3)
 
-    def _wg_sim(acc, regs, desc, scale_d, sm, scr, N, transb):
+    _wg_memo = {}
+    _wg_lock = threading.Lock()
+
+    def _wg_sim(acc, regs, desc, scale_d, sm, scr, N, transb, kind="bf16"):
         tid = _tid()
         wt = tid % 128
         base = _slot(MAX_THREADS * 6) + (tid - wt) * 4
         for i in range(4):
             scr[base + wt * 4 + i] = regs[i]
+        th = threading.current_thread()
+        n = getattr(th, "_wg_n", 0)
+        th._wg_n = n + 1
         cuda.syncthreads()
+        # the product is computed once per warpgroup call (by whichever thread comes first)
+        key = (id(scr), cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, tid - wt, n)
+        with _wg_lock:
+            ent = _wg_memo.get(key)
+            if ent is None:
+                ent = _wg_memo[key] = [_wg_product(scr, base, desc, sm, N, transb, kind), 0]
+            ent[1] += 1
+            if ent[1] == 128:
+                del _wg_memo[key]
+        D = ent[0]
+        s8 = kind == "s8"
+        w, ln = wt // 32, wt % 32
+        g, t = ln // 4, ln % 4
+        r0, r1 = D[16 * w + g], D[16 * w + g + 8]
+        for j in range(N // 8):
+            vals = (r0[8 * j + 2 * t], r0[8 * j + 2 * t + 1], r1[8 * j + 2 * t], r1[8 * j + 2 * t + 1])
+            for e in range(4):
+                if s8:
+                    old = int(acc[4 * j + e]) if scale_d else 0
+                    acc[4 * j + e] = _s32(old + int(round(vals[e])))
+                else:
+                    old = float(acc[4 * j + e]) if scale_d else 0.0
+                    acc[4 * j + e] = np.float32(old + vals[e])
+
+    def _wg_product(scr, base, desc, sm, N, transb, kind):
         words = np.asarray(scr[base:base + 512]).astype(np.int64).astype(np.uint32).reshape(4, 32, 4)
-        A = np.zeros((64, 16))
+        s8 = kind == "s8"
+        E = 4 if s8 else 2          # elements per 32-bit register
+        K = 8 * E                   # 32 (int8) or 16 (bf16)
+        A = np.zeros((64, K))
         for w in range(4):
             for ln in range(32):
                 g, t = ln // 4, ln % 4
                 for r in range(4):
                     row = 16 * w + g + 8 * (r % 2)
-                    col = 2 * t + 8 * (r // 2)
+                    col = E * t + (K // 2) * (r // 2)
                     u = int(words[w, ln, r])
-                    A[row, col] = _bits_to_f32(u & 0xFFFF)
-                    A[row, col + 1] = _bits_to_f32(u >> 16)
+                    for e in range(E):
+                        if s8:
+                            A[row, col + e] = ((u >> (8 * e)) & 0xFF) - (256 if (u >> (8 * e)) & 0x80 else 0)
+                        else:
+                            A[row, col + e] = _bits_to_f32((u >> (16 * e)) & 0xFFFF)
         start, lbo, sbo, swz = _desc_fields(desc)
         assert swz == 0, "emulation covers the no-swizzle layout only"
-        B = np.zeros((16, N))
-        for k in range(16):
+        B = np.zeros((K, N))
+        EB = 4 // E                 # bytes per element
+        CE = 16 // EB               # elements per 16-byte core-matrix row
+        for k in range(K):
             for n in range(N):
                 if not transb:   # K-major: core matrix = 8 N-rows x 16 bytes of K
-                    addr = start + (n // 8) * sbo + (k // 8) * lbo + (n % 8) * 16 + (k % 8) * 2
+                    addr = start + (n // 8) * sbo + (k // CE) * lbo + (n % 8) * 16 + (k % CE) * EB
                 else:            # MN-major: core matrix = 8 K-rows x 16 bytes of N
-                    addr = start + (k // 8) * lbo + (n // 8) * sbo + (k % 8) * 16 + (n % 8) * 2
-                B[k, n] = _bits_to_f32(_half(sm[addr // 4], (addr % 4) // 2))
-        w, ln = wt // 32, wt % 32
-        g, t = ln // 4, ln % 4
-        r0, r1 = A[16 * w + g] @ B, A[16 * w + g + 8] @ B
-        for j in range(N // 8):
-            vals = (r0[8 * j + 2 * t], r0[8 * j + 2 * t + 1], r1[8 * j + 2 * t], r1[8 * j + 2 * t + 1])
-            for e in range(4):
-                old = float(acc[4 * j + e]) if scale_d else 0.0
-                acc[4 * j + e] = np.float32(old + vals[e])
+                    addr = start + (k // 8) * lbo + (n // CE) * sbo + (k % 8) * 16 + (n % CE) * EB
+                wd = int(sm[addr // 4]) & 0xFFFFFFFF
+                if s8:
+                    bt = (wd >> (8 * (addr % 4))) & 0xFF
+                    B[k, n] = bt - 256 if bt & 0x80 else bt
+                else:
+                    B[k, n] = _bits_to_f32(_half(wd, (addr % 4) // 2))
+        return A @ B
 
-    def wgmma_op(N, transb):
+    def wgmma_op(N, transb, kind="bf16"):
         @cuda.jit(device=True)
         def f(acc, a0, a1, a2, a3, desc, scale_d, sm, scr):
-            _wg_sim(acc, (a0, a1, a2, a3), desc, scale_d, sm, scr, N, transb)
+            _wg_sim(acc, (a0, a1, a2, a3), desc, scale_d, sm, scr, N, transb, kind)
         return f
 
     @cuda.jit(device=True)

@@ -209,3 +209,127 @@ def test_8bit_prepass_numba_matches_torch(B, H, L, D):
     assert (b[0][:, :, L:] == 0).all() and (a[0][:, :, L:] == 0).all() and (a[1][:, :, L:] == 0).all()
     for x, y in zip(a[2:4], b[2:4]):
         assert torch.allclose(x, y, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- Hopper wgmma (variants "wg", "wg2", 8-bit "wg")
+def _wg_layout(B, kind, transb):
+    """Shared-memory image (int32 words) of B [K, N] in the no-swizzle core-matrix layout the
+    attention kernels use, and the descriptor's (LBO, SBO)."""
+    import numpy as np
+    K, N = B.shape
+    eb = 1 if kind == "s8" else 2
+    ce = 16 // eb                       # elements per 16-byte core-matrix row
+    raw = (B.numpy().astype(np.int8).view(np.uint8) if kind == "s8"
+           else B.contiguous().view(torch.int16).numpy().view(np.uint8).reshape(K, N, 2))
+    img = np.zeros(K * N * eb, dtype=np.uint8)
+    if not transb:   # K-major: chunk (n, k // ce) at (n // 8) * SBO + (k // ce) * LBO + (n % 8) * 16
+        lbo, sbo = 128, (K // ce) * 128
+    else:            # MN-major: chunk (k, n // ce) at (k // 8) * LBO + (n // ce) * SBO + (k % 8) * 16
+        lbo, sbo = (N // ce) * 128, 128
+    for k in range(K):
+        for n in range(N):
+            if not transb:
+                a = (n // 8) * sbo + (k // ce) * lbo + (n % 8) * 16 + (k % ce) * eb
+            else:
+                a = (k // 8) * lbo + (n // ce) * sbo + (k % 8) * 16 + (n % ce) * eb
+            img[a:a + eb] = raw[k, n] if kind == "s8" else raw[k, n]
+    return img.view(np.int32).copy(), lbo, sbo
+
+
+def _wg_kernel(N, transb, kind, words, lbo, sbo):
+    from numba import float32, int64
+    wg = mma.wgmma_op(N, transb, kind)
+    NA = N // 2
+    ACC = int32 if kind == "s8" else float32
+    HI = ((lbo >> 4) << 16) | ((sbo >> 4) << 32)
+    AL = None if runtime.SIMULATOR else 128
+
+    @cuda.jit
+    def k(aw, bimg, d):
+        sm = cuda.shared.array(words, int32, alignment=AL)
+        scr = cuda.shared.array(SCR, int32)
+        tid = cuda.threadIdx.x
+        for i in range(tid, words, 128):
+            sm[i] = bimg[i]
+        mma.fence_proxy_async()
+        cuda.syncthreads()
+        w, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        r = 16 * w + g
+        a0, a1, a2, a3 = aw[r, t], aw[r + 8, t], aw[r, t + 4], aw[r + 8, t + 4]
+        acc = cuda.local.array(NA, ACC)
+        for i in range(NA):
+            acc[i] = 0
+        desc = HI | (int64(mma.smem_base(sm)) >> 4)
+        mma.wg_fence()
+        wg(acc, a0, a1, a2, a3, desc, 0, sm, scr)
+        mma.wg_commit()
+        mma.wg_wait0()
+        for j in range(N // 8):
+            d[r, 8 * j + 2 * t] = acc[4 * j]
+            d[r, 8 * j + 2 * t + 1] = acc[4 * j + 1]
+            d[r + 8, 8 * j + 2 * t] = acc[4 * j + 2]
+            d[r + 8, 8 * j + 2 * t + 1] = acc[4 * j + 3]
+    return k
+
+
+@pytest.mark.parametrize("kind,N,transb", [("bf16", 64, 0), ("bf16", 32, 1), ("s8", 64, 0)])
+def test_wgmma_descriptor_layout(kind, N, transb):
+    """One warpgroup: A (64 x K) from registers in the mma.m16n8k16/k32 fragment layout, B from
+    shared memory through a no-swizzle descriptor (K-major or MN-major).  On an H200
+    (FLUX_NUMBA_REAL_GPU=1) this checks our reading of the wgmma descriptor rules."""
+    import numpy as np
+    if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs sm_90")
+    g = torch.Generator().manual_seed(4)
+    K = 32 if kind == "s8" else 16
+    if kind == "s8":
+        a = torch.randint(-127, 128, (64, K), generator=g, dtype=torch.int8)
+        b = torch.randint(-127, 128, (K, N), generator=g, dtype=torch.int8)
+        ref = a.int() @ b.int()
+    else:
+        a = torch.randn(64, K, generator=g).to(torch.bfloat16)
+        b = torch.randn(K, N, generator=g).to(torch.bfloat16)
+        ref = a.double() @ b.double()
+    img, lbo, sbo = _wg_layout(b, kind, transb)
+    aw = a.contiguous().view(torch.int32).numpy()          # [64, 8] words
+    d = np.zeros((64, N), dtype=np.int32 if kind == "s8" else np.float32)
+    if runtime.SIMULATOR:
+        _wg_kernel(N, transb, kind, img.size, lbo, sbo)[1, 128](aw, img, d)
+    else:
+        dd = cuda.to_device(d)
+        _wg_kernel(N, transb, kind, img.size, lbo, sbo)[1, 128](cuda.to_device(aw), cuda.to_device(img), dd)
+        d = dd.copy_to_host()
+    assert np.allclose(d, ref.numpy(), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("var", ["wg"])   # wg2 / wgr share the code (the GPU bench covers them)
+def test_attention_numba_wgmma_variants(var):
+    B, H, L, D = 1, 1, 40, 32   # ragged KV tile
+    if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs sm_90")
+    q, k, v = make(B, H, L, D, seed=13)
+    A.set_variant(var)
+    try:
+        out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+        run_numba("numba", q, k, v, out=out)
+    finally:
+        A.set_variant("4w")
+    assert not torch.isnan(out).any()
+    assert rel(out, ref32(q, k, v)) < 1.2e-2
+
+
+def test_attention_8bit_wgmma():
+    B, H, L, D = 1, 1, 40, 32
+    if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs sm_90")
+    q, k, v = make(B, H, L, D, seed=17)
+    k = (k + 3.0).to(torch.bfloat16)
+    A.set_variant8("wg")
+    try:
+        out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+        run_numba("numba-8bit", q, k, v, out=out)
+    finally:
+        A.set_variant8("mma")
+    assert not torch.isnan(out).any()
+    assert rel(out, ref32(q, k, v)) < 3e-2
