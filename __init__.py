@@ -18,7 +18,10 @@ ALIAS = "flux_numba_pack"
 
 
 def _unsafe(name: str) -> bool:
-    return "numba.cuda" in name + ".cuda_kernels"
+    """True when subpackages cannot be imported under ``name``: the redirector trap above, or this
+    file loaded as a plain module rather than a package (pytest does that to a repo root with an
+    __init__.py whose folder name is not an identifier, e.g. a CI clone called ``ci-check``)."""
+    return "numba.cuda" in name + ".cuda_kernels" or globals().get("__path__") is None
 
 
 def _package_name(name: str) -> str:

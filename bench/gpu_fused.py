@@ -279,6 +279,97 @@ def do_case(cs):
                  f"{h_nb:.0f}/{h_ref:.0f}"))
 
 
+def _swap_launchers(mod):
+    saved = mod._launchers
+    mod._launchers = {}
+    return saved
+
+
+class Variant:
+    """A kernel configuration other than the default, set for the duration of a ``with``."""
+
+    def __init__(self, name, cases, setup):
+        self.name, self.cases, self.setup = name, cases, setup
+
+    def __enter__(self):
+        self.saved = {m: _swap_launchers(m) for m in (LM, GR, GT, QK)}
+        self.knobs = (ik.FORCE_VW1, dict(LM.NW_FOR), dict(GT.NW_FOR), QK.MAX_THREADS, dict(QK.LB))
+        self.setup()
+        QK._threads.cache_clear()
+
+    def __exit__(self, *exc):
+        for m, la in self.saved.items():
+            m._launchers = la
+        ik.FORCE_VW1 = self.knobs[0]
+        LM.NW_FOR.clear(); LM.NW_FOR.update(self.knobs[1])  # noqa: E702
+        GT.NW_FOR.clear(); GT.NW_FOR.update(self.knobs[2])  # noqa: E702
+        QK.MAX_THREADS = self.knobs[3]
+        QK.LB.clear(); QK.LB.update(self.knobs[4])  # noqa: E702
+        QK._threads.cache_clear()
+
+
+def _set(**kw):
+    def f():
+        if "vw1" in kw:
+            ik.FORCE_VW1 = True
+        if "row_nw" in kw:
+            LM.NW_FOR[(4, 2)] = kw["row_nw"]
+        if "gelu_nw" in kw:
+            GT.NW_FOR[(4, 2)] = kw["gelu_nw"]
+        if "qk_threads" in kw:
+            QK.MAX_THREADS = kw["qk_threads"]
+            QK.LB.clear()
+            if kw.get("qk_lb"):
+                QK.LB["launch_bounds"] = kw["qk_lb"]
+    return f
+
+
+MAIN = ["ln_modulate img", "gated_residual img", "gated_res_ln_mod img", "qk_norm_rope double",
+        "gelu_tanh single->buf", "gelu_tanh img"]
+VARIANTS = [
+    Variant("8-byte words (no 16B pairs)", MAIN, _set(vw1=1)),
+    Variant("row/gated NW=4 (16B)", ["ln_modulate img", "gated_residual img", "gated_res_ln_mod img"], _set(row_nw=4)),
+    Variant("row/gated NW=16 (16B)", ["ln_modulate img", "gated_residual img", "gated_res_ln_mod img"], _set(row_nw=16)),
+    Variant("gelu NW=4 (16B)", ["gelu_tanh single->buf", "gelu_tanh img"], _set(gelu_nw=4)),
+    Variant("gelu NW=16 (16B)", ["gelu_tanh single->buf", "gelu_tanh img"], _set(gelu_nw=16)),
+    Variant("qk 384 thr, LB (384,3)", ["qk_norm_rope double", "qk_norm_rope single"], _set(qk_threads=384, qk_lb=(384, 3))),
+    Variant("qk 128 thr, no LB", ["qk_norm_rope double"], _set(qk_threads=128)),
+    Variant("qk 256 thr, LB (256,4)", ["qk_norm_rope double"], _set(qk_threads=256, qk_lb=(256, 4))),
+]
+
+
+def variants():
+    """Time the other configurations of each kernel (same process, same cases): picks defaults."""
+    allc = {cs["name"]: cs for cs in make_cases()}
+    for v in VARIANTS:
+        if time.time() - T0 > 100:
+            note("variants", skipped_from=v.name, reason="time budget")
+            break
+        try:
+            with v:
+                for name in v.cases:
+                    cs = allc[name]
+                    args, kwargs = cs["make"]()
+                    inplace = cs.get("inplace", False)
+                    a_r, k_r = clone_args(args, kwargs, inplace)
+                    ref = flat(run(cs["op"], "torch", *a_r, **k_r)) + ([a_r[0]] if inplace else [])
+                    a_n, k_n = clone_args(args, kwargs, inplace)
+                    with Poison():
+                        out = flat(run(cs["op"], "numba", *a_n, **k_n)) + ([a_n[0]] if inplace else [])
+                    err, _, nans = compare(out, ref)
+                    ok = nans == 0 and err < 1e-2
+                    t_nb = device_time_us(lambda: run(cs["op"], "numba", *args, **kwargs))
+                    gbs = cs["bytes"] / (t_nb * 1e-6) / 1e9
+                    note(f"{name} [{v.name}]", ok=ok, rel_err=f"{err:.2e}", numba_us=round(t_nb, 1), GBps=round(gbs),
+                         pct_ceiling=round(100 * gbs * 1e9 / CEIL, 1))
+                    rows.append((f"{name} [{v.name}]", "OK" if ok else "FAIL", f"{err:.1e}", "", "", f"{t_nb:.1f}",
+                                 f"{cs['bytes'] / CEIL * 1e6:.1f}", f"{gbs:.0f}", f"{100 * gbs * 1e9 / CEIL:.0f}%", "", ""))
+        except Exception as e:
+            traceback.print_exc()
+            note(f"variant {v.name}", ok=False, error=f"{type(e).__name__}: {e}")
+            rows.append((f"[{v.name}]", "ERROR", type(e).__name__, "", "", "", "", "", "", "", ""))
+
+
 def graph_check():
     """Capture numba launches in a CUDA graph and replay (they must go on torch's stream)."""
     mod = rnd(1, 1, 2 * C)
@@ -343,7 +434,7 @@ def host_breakdown():
 
 def slow_launcher_host():
     """Host cost per call with numba's ordinary launcher (fast path off) + re-check."""
-    launchers = list(LM._launchers.values()) + list(GR._launchers.values()) + list(GT._launchers.values()) + [QK._launcher]
+    launchers = [la for m in (LM, GR, GT, QK) for la in m._launchers.values()]
     for la in launchers:
         la._fast = None
     for cs in make_cases():
@@ -370,7 +461,7 @@ def main():
             traceback.print_exc()
             note(cs["name"], ok=False, error=f"{type(e).__name__}: {e}")
             rows.append((cs["name"], "ERROR", type(e).__name__, "", "", "", "", "", "", "", ""))
-    for fn in (graph_check, host_breakdown, slow_launcher_host):
+    for fn in (graph_check, variants, host_breakdown, slow_launcher_host):
         try:
             fn()
         except Exception as e:

@@ -61,12 +61,16 @@ def keyed_on_sources(disp):
 
     numba keys a cached kernel on its own bytecode, closure values and the *defining* file's
     mtime/size: an edit of a device function in another file (intrinsics.py) would load a stale
-    kernel.  With the hash in the index key a changed tree simply misses (and recompiles once)."""
+    kernel, and two kernels that differ only in jit options (launch_bounds) would share an entry.
+    With the hash and the options in the index key a changed tree simply misses (and
+    recompiles once)."""
     c = getattr(disp, "_cache", None)
     ik = getattr(c, "_index_key", None)
     if ik is None or getattr(ik, "_flux_keyed", False):
         return disp
-    tag = ("flux_numba_sources", source_hash())
+    # numba's key also omits the jit options (fastmath, launch_bounds): add them too
+    opts = repr(sorted((k, repr(v)) for k, v in getattr(disp, "targetoptions", {}).items()))
+    tag = ("flux_numba_sources", source_hash(), opts)
 
     def _index_key(sig, codegen):
         return ik(sig, codegen) + (tag,)
@@ -600,6 +604,42 @@ def arr(t):
 
 if SIMULATOR and NUMBA_OK:
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _FakeCUDAArray
+
+    def _patch_sim_shared():
+        """numba-cuda 0.30.4's simulator creates ``cuda.shared.array`` lazily per block WITHOUT a
+        lock: two threads entering together can each get a private array, so a reduction then
+        sums stale memory (seen as rare wrong rows in the first block, timing dependent).  Same
+        lookup (caller file + line) under a lock; also avoids a full traceback per call."""
+        import sys
+        import threading
+
+        from numba.core import types as _types
+        from numba.np import numpy_support as _nps
+        from numba.cuda.simulator import kernelapi as _ka
+        if getattr(_ka.FakeCUDAShared.array, "_flux_locked", False):
+            return
+        orig = _ka.FakeCUDAShared.array
+        lock = threading.Lock()
+
+        def array(self, shape, dtype, alignment=None):
+            if alignment is not None or shape == 0:
+                return orig(self, shape, dtype, alignment)
+            if isinstance(dtype, _types.Type):
+                dtype = _nps.as_dtype(dtype)
+            f = sys._getframe(1)
+            caller = (f.f_code.co_filename, f.f_lineno)
+            with lock:
+                res = self._allocations.get(caller)
+                if res is None:
+                    res = self._allocations[caller] = _np.empty(shape, dtype)
+            return res
+        array._flux_locked = True
+        _ka.FakeCUDAShared.array = array
+
+    try:
+        _patch_sim_shared()
+    except Exception:  # pragma: no cover - simulator internals moved: keep the original
+        pass
 
 _FAST_OK = False
 if NUMBA_OK and not SIMULATOR and os.environ.get("FLUX_NUMBA_FAST_LAUNCH", "1") != "0":

@@ -9,13 +9,16 @@
          and rotated, v copied.  This replaces view/permute/RMSNorm/cat/RoPE of stock ComfyUI.
 
 Numba backend ("numba", bf16 qkv, 1 or 2 parts, D in {4, 8, 16, 32, 64, 128}, every qkv row
-8-byte aligned -- else declined by check): one block per token (grid-stride), a group of D/4
-lanes per head vector (D=128: one warp), each lane one int64 word = 4 bf16; grid (tokens, B).  The lane's RoPE
-coefficients (8 fp32, read as 4 int64) and its q/k scales are loaded once per token and reused
-for every head; the block walks the token's 3*H vectors two per group at a time (two loads in
-flight), sum of squares by a segmented warp shuffle, fp32 math, one RNE rounding (the stock
-path rounds after the norm, after the scale and after RoPE; differences stay within ~1 bf16
-ulp).  q, k, v come back as views of one [3, B, H, L, D] allocation.
+8-byte aligned -- else declined by check): grid (tokens, B, head chunks), blocks of <= 128
+threads (launch bounds (128, 8): <= 64 registers, 8+ blocks = 48+ KB of loads in flight per SM).
+A group of G = D/8 lanes (D/4 when rows are only 8-byte aligned) per head; each lane owns 16
+bytes (8 bf16) of the head vector and issues its q, k and v loads together (v is stored straight
+back), sum of squares by a G-lane shuffle, fp32 math, one RNE rounding (the stock path rounds
+after the norm, after the scale and after RoPE; differences stay within ~1 bf16 ulp).  The
+lane's RoPE matrices (16 fp32 = 4 x 16-byte loads) and scales come from L1 (pe: 1 KB per token,
+read from DRAM once; 3 blocks per token hit L2).  All 16-byte accesses are single
+ld/st.global.v2.u64; no integer division in the kernel.  q, k, v come back as views of one
+[3, B, H, L, D] allocation.
 
 Bytes per call at FLUX 1024^2 (H*D = 3072, B = 1, 4608 tokens), floor at 3.7 TB/s:
   read qkv 84.9 MB + pe 4.7 MB, write q, k, v 84.9 MB = 174.6 MB -> 47.2 us

@@ -326,9 +326,9 @@ def test_qk_norm_rope_under_inference_mode_sees_inplace_scale_updates():
     from flux_numba_pack.flux_core.blocks import BlockContext
     with torch.inference_mode():
         B, L, H, D = 1, 5, 2, 16
-        qkv = torch.randn(B, L, 3 * H * D).bfloat16()
-        qs, ks = torch.ones(D).bfloat16(), torch.ones(D).bfloat16()
-        pe = torch.randn(1, 1, L, D // 2, 2, 2)
+        qkv = torch.randn(B, L, 3 * H * D, device=DEV).bfloat16()
+        qs, ks = torch.ones(D, device=DEV).bfloat16(), torch.ones(D, device=DEV).bfloat16()
+        pe = torch.randn(1, 1, L, D // 2, 2, 2, device=DEV)
         registry.strict = True
         try:
             with registry.force("numba"):
@@ -344,3 +344,23 @@ def test_qk_norm_rope_under_inference_mode_sees_inplace_scale_updates():
         v1, v2 = torch.randn(1, 8), torch.randn(1, 8)
         assert torch.equal(ctx.silu(v1), torch.nn.functional.silu(v1)[:, None])
         assert torch.equal(ctx.silu(v2), torch.nn.functional.silu(v2)[:, None])
+
+
+def test_cache_key_includes_sources_and_options():
+    """jit_kernel's on-disk cache key: numba's own key + hash of every cuda_kernels/*.py + jit
+    options (numba keys on the defining file only and ignores launch_bounds)."""
+    import types
+
+    calls = []
+
+    def base_key(sig, codegen):
+        calls.append(sig)
+        return (sig, "numba")
+    d1 = types.SimpleNamespace(_cache=types.SimpleNamespace(_index_key=base_key), targetoptions={"launch_bounds": (128, 8)})
+    d2 = types.SimpleNamespace(_cache=types.SimpleNamespace(_index_key=base_key), targetoptions={"launch_bounds": None})
+    ik.keyed_on_sources(d1)
+    ik.keyed_on_sources(d1)  # idempotent
+    ik.keyed_on_sources(d2)
+    k1, k2 = d1._cache._index_key("sig", None), d2._cache._index_key("sig", None)
+    assert k1[:2] == ("sig", "numba") and len(k1) == 3 and k1[2][1] == ik.source_hash()
+    assert k1 != k2 and len(ik.source_hash()) == 16

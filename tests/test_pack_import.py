@@ -158,3 +158,25 @@ def test_loader_header_check(tmp_path):
     with pytest.raises(ValueError):
         check_flux_file(str(junk))
     assert check_flux_file(str(tmp_path / "model.ckpt")) is None  # not inspectable: checked after loading
+
+
+def test_entry_point_loaded_as_plain_module():
+    """pytest (and other tools) may load the repo root's __init__.py as a plain module, e.g. named
+    '__init__' when the clone folder is not an identifier: the nodes must still import."""
+    import importlib.util
+    import os
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("__init__", os.path.join(root, "__init__.py"))
+    mod = importlib.util.module_from_spec(spec)
+    saved = sys.modules.get("__init__")
+    sys.modules["__init__"] = mod
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        if saved is None:
+            sys.modules.pop("__init__", None)
+        else:
+            sys.modules["__init__"] = saved
+    assert mod.PACKAGE != "__init__"
+    assert {"FluxNumbaPatch", "FluxNumbaLoader", "FluxNumbaStepTimer"} <= set(mod.NODE_CLASS_MAPPINGS)
