@@ -690,7 +690,9 @@ def numba_attention(q, k, v, mask=None, out=None):
     return dst
 
 
-registry.register_backend(OP, "numba", numba_attention, check=check, priority=10)
+# Opt-in (auto=False): on the H200 cuDNN's SDPA is 2.5x faster at FLUX shapes (BENCHMARKS.md), so
+# `auto` would only pay ~4 s of JIT to time it and lose; FluxNumbaPatch's attention option forces it.
+registry.register_backend(OP, "numba", numba_attention, check=check, priority=10, auto=False)
 
 
 # ====================================================================== numba-8bit backend
@@ -1468,4 +1470,4 @@ def numba_attention_8bit(q, k, v, mask=None, out=None):
     return dst
 
 
-registry.register_backend(OP, "numba-8bit", numba_attention_8bit, check=check_8bit, priority=5)
+registry.register_backend(OP, "numba-8bit", numba_attention_8bit, check=check_8bit, priority=5, auto=False)

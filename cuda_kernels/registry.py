@@ -36,6 +36,7 @@ class Backend:
     fn: Callable
     check: Optional[Callable] = None  # (*args, **kw) -> None if OK, else reason string
     priority: int = 0
+    auto: bool = True  # False: runs only when forced (auto neither compiles nor times it)
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Op:
     backends: Dict[str, Backend] = field(default_factory=dict)
 
     def candidates(self):
-        return sorted((b for b in self.backends.values() if b.name != REFERENCE),
+        return sorted((b for b in self.backends.values() if b.name != REFERENCE and b.auto),
                       key=lambda b: -b.priority)
 
 
@@ -75,10 +76,12 @@ class OpRegistry:
         return op
 
     def register_backend(self, op_name: str, backend: str, fn: Callable, check: Optional[Callable] = None,
-                         priority: int = 10):
+                         priority: int = 10, auto: bool = True):
+        """``auto=False``: an opt-in backend, used only when forced (e.g. one measured slower than the
+        reference on every shape that matters, whose JIT would only cost first-use time)."""
         if op_name not in self.ops:
             raise KeyError(f"register the op {op_name!r} (with its torch reference) before a backend")
-        self.ops[op_name].backends[backend] = Backend(backend, fn, check, priority)
+        self.ops[op_name].backends[backend] = Backend(backend, fn, check, priority, auto)
 
     def backends(self, op_name: str):
         return list(self.ops[op_name].backends)

@@ -57,11 +57,14 @@ def warm_calls(device) -> List[Tuple[str, str, Callable]]:
 
 
 def warm_all(device="cuda", ops: Optional[List[str]] = None, on_begin: Callable = None,
-             on_step: Callable = None) -> Dict[str, dict]:
-    """Run each Numba backend once.  on_begin(name) / on_step(name, cached: bool, seconds, error)."""
+             on_step: Callable = None, backends=None) -> Dict[str, dict]:
+    """Run each Numba backend once (only ``ops`` / only the (op, backend) pairs in ``backends`` when
+    given).  on_begin(name) / on_step(name, cached: bool, seconds, error)."""
     results = {}
     for op, backend, fn in warm_calls(device):
         if ops is not None and op not in ops:
+            continue
+        if backends is not None and (op, backend) not in backends:
             continue
         name = op if backend == "numba" else f"{op}/{backend}"
         if on_begin:

@@ -363,13 +363,13 @@ def warm_kernels(unique_id, opts) -> dict:
     node; failures are reported (the ops then run on torch), never raised."""
     from ..cuda_kernels import warmup
     from .progress import compile_progress
-    ops = None if opts["route_norms"] else ["attention"]
-    calls = [c for c in warmup.warm_calls("cuda") if ops is None or c[0] in ops]
-    if opts["attention"] in ("sdpa",):
-        calls = [c for c in calls if c[0] != "attention"]
+    want_attn = {"numba-bf16": {"numba"}, "numba-8bit": {"numba-8bit"}}.get(
+        opts["attention"], {"numba"} if opts["backend"] == "numba" and opts["attention"] != "sdpa" else set())
+    calls = [c for c in warmup.warm_calls("cuda")
+             if (c[0] == "attention" and c[1] in want_attn) or (c[0] != "attention" and opts["route_norms"])]
     names = [c[0] for c in calls]
     with compile_progress(unique_id, total=len(calls)) as prog:
-        res = warmup.warm_all("cuda", ops=sorted(set(names)), on_begin=prog.begin,
+        res = warmup.warm_all("cuda", ops=sorted(set(names)), backends={(c[0], c[1]) for c in calls}, on_begin=prog.begin,
                               on_step=lambda name, cached, dt, err: prog.step(name + (f" FAILED ({err})" if err else ""),
                                                                               cached=cached))
     return {k: {"s": round(v["seconds"], 2), "cached": v["cached"], "error": v["error"]} for k, v in res.items()}

@@ -75,3 +75,14 @@ def test_pack_registers_every_flux_op():
     from flux_numba_pack.cuda_kernels import registry
     for op in ("ln_modulate", "gated_residual", "gated_residual_ln_modulate", "qk_norm_rope", "gelu_tanh", "attention"):
         assert op in registry.ops and "torch" in registry.backends(op)
+
+
+def test_opt_in_backend_runs_only_when_forced():
+    r = OpRegistry()
+    r.register("op", lambda x: ("ref", x))
+    r.register_backend("op", "slow", lambda x: ("slow", x), priority=50, auto=False)
+    assert r.call("op", 1)[0] == "ref"
+    with r.force("slow"):
+        assert r.call("op", 1)[0] == "slow"
+    from flux_numba_pack.cuda_kernels import registry
+    assert not any(b.auto for n, b in registry.ops["attention"].backends.items() if n != "torch")
