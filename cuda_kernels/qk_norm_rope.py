@@ -5,7 +5,8 @@
          text then image; single block: one part).  ``qkv`` is [B, L_i, 3*H*D] -- it may be a
          row-strided view (the single block's linear1 output slice); q_scale/k_scale are [D].
   pe:    [B or 1, 1, sum(L_i), D/2, 2, 2] float32 rotation matrices (ComfyUI's EmbedND), or None.
-  out:   q, k, v as [B, H, sum(L_i), D] contiguous tensors in qkv's dtype; q and k normalised
+  out:   q, k, v as [B, H, sum(L_i), D] tensors in qkv's dtype (the numba backend returns views in
+         [B, L, H, D] memory order, the torch reference contiguous ones); q and k normalised
          and rotated, v copied.  This replaces view/permute/RMSNorm/cat/RoPE of stock ComfyUI.
 
 Numba backend ("numba", bf16 qkv, 1 or 2 parts, D in {4, 8, 16, 32, 64, 128}, every qkv row
@@ -340,7 +341,10 @@ def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6):
     D = C3 // (3 * H)
     Ltot = L0 + (parts[1][0].shape[1] if len(parts) > 1 else 0)
     dev = qkv0.device
-    out = torch.empty((3, B, H, Ltot, D), dtype=qkv0.dtype, device=dev)
+    # q, k, v are returned as [B, H, L, D] views of a [3, B, L, H, D] buffer: attention's output then
+    # comes back in [B, L, H, D] order (cuDNN/flash allocate it in the query's stride order), so
+    # its reshape to [B, L, H*D] is free instead of a 28 MB copy per block (run 8: 3.6 ms/step).
+    out = torch.empty((3, B, Ltot, H, D), dtype=qkv0.dtype, device=dev).permute(0, 1, 3, 2, 4)
     a0 = ik.words(qkv0)
     a1 = ik.words(parts[1][0]) if len(parts) > 1 else a0
     ow = out.view(torch.int64)
