@@ -477,3 +477,27 @@ def test_cuda_graph_option(comfy, monkeypatch):
     if DEVICE.type != "cuda":
         assert w.last_mode == "eager: not a CUDA device"
     assert torch.equal(a, b)
+
+
+def test_lora_weight_patches_apply_to_the_patched_model(comfy):
+    """A LoRA-style weight patch (ComfyUI's add_patches, applied in place when sampling starts)
+    changes the patched model exactly as it changes stock: the pack reads the live weights."""
+    mp = tiny_patcher(comfy)
+    latent = torch.zeros(1, 16, 8, 8)
+    import comfy.utils as cu
+    g = torch.Generator().manual_seed(5)
+    keys = ["diffusion_model.double_blocks.0.img_mlp.0.weight", "diffusion_model.single_blocks.1.linear1.weight",
+            "diffusion_model.double_blocks.1.txt_attn.norm.key_norm.scale"]
+    patches = {}
+    for k in keys:
+        w = cu.get_attr(mp.model, k)
+        patches[k] = (0.5 * torch.randn(w.shape, generator=g),)  # a "diff" patch, like a LoRA's merged delta
+    base = _sample(mp, latent, 2)
+    lora = mp.clone()
+    lora.add_patches(patches, 1.0)
+    stock_lora = _sample(lora, latent, 2)
+    assert rel_err(stock_lora, base) > 1e-3, "the weight patch must matter"
+    pm, = Patch().patch(lora, backend="torch", profile="exact")
+    got = _sample(pm, latent, 2)
+    assert torch.allclose(got, stock_lora, rtol=1e-5, atol=1e-5), rel_err(got, stock_lora)
+    assert torch.equal(_sample(mp, latent, 2), base), "weights restored after sampling"
