@@ -108,6 +108,8 @@ def chart_array(runs: List[dict], width: int = 1024, height: int = 512):
             ax.bar(xs, ms, width=w, color=cols, label=lab, edgecolor="none")
             if s["mean_ms"]:
                 ax.axhline(s["mean_ms"], color=label_colour(r["label"]), linestyle="--", linewidth=1)
+        from matplotlib.ticker import MaxNLocator
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers (no 0.5 ticks)
         ax.set_xlabel("sampling step (diffusion-model call)")
         ax.set_ylabel("ms")
         ax.set_title("FluxNumba step times")
