@@ -37,6 +37,7 @@ example_workflows/flux1_dev_stock_vs_numba.json in the page, with FLUX for real 
     text of its /history output; stock, patched and the report chart PNGs are in the output folder.
   Screenshots: artifacts/browser_example_{all,stock,patched,compare,report}.png.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -330,13 +331,23 @@ def comfy_server():
     os.makedirs(udir)
     with open(os.path.join(udir, "comfy.settings.json"), "w") as f:
         json.dump({"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False}, f)
+    try:
+        with running_comfyui(req["py"], req["comfy"], base) as (url, log, proc):
+            yield dict(req, base=base, url=url, unet=unet, log=log, proc=proc)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_comfyui(py, comfy, base, timeout=240):
+    """Start ComfyUI on CPU (loopback, a free port, ``base`` as its base directory), wait until it
+    answers, yield (url, log path, process); stop it afterwards."""
     port = _free_port()
     logf = open(os.path.join(base, "comfyui.log"), "w")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([req["py"], "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([py, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
                              "--base-directory", base, "--database-url", "sqlite:///:memory:",
-                             "--disable-auto-launch"], cwd=req["comfy"], stdout=logf, stderr=subprocess.STDOUT,
-                            env=env)
+                             "--disable-auto-launch"], cwd=comfy, stdout=logf, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.time()
@@ -347,10 +358,10 @@ def comfy_server():
                 _get(url + "/system_stats")
                 break
             except Exception:
-                if time.time() - t0 > 240:
-                    pytest.fail("ComfyUI did not start in 240 s: " + open(logf.name).read()[-4000:])
+                if time.time() - t0 > timeout:
+                    pytest.fail(f"ComfyUI did not start in {timeout} s: " + open(logf.name).read()[-4000:])
                 time.sleep(1)
-        yield dict(req, base=base, url=url, unet=unet, log=logf.name, proc=proc)
+        yield url, logf.name, proc
     finally:
         proc.terminate()
         try:
@@ -358,7 +369,6 @@ def comfy_server():
         except subprocess.TimeoutExpired:
             proc.kill()
         logf.close()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_pack_loaded(comfy_server):

@@ -24,7 +24,7 @@ import uuid
 
 import pytest
 
-from test_browser import _comfy_path, _comfy_python, _free_port, _get
+from test_browser import _comfy_path, _comfy_python, _get, running_comfyui
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
@@ -100,32 +100,10 @@ def server():
     r = subprocess.run([py, "-c", MAKE_VAE, os.path.join(vd, "ae_random.safetensors")], cwd=comfy,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    port = _free_port()
-    logf = open(os.path.join(base, "comfyui.log"), "w")
-    proc = subprocess.Popen([py, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory",
-                             base, "--database-url", "sqlite:///:memory:", "--disable-auto-launch"], cwd=comfy,
-                            stdout=logf, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                pytest.fail("ComfyUI exited: " + open(logf.name).read()[-4000:])
-            try:
-                _get(url + "/system_stats")
-                break
-            except Exception:
-                if time.time() - t0 > 240:
-                    pytest.fail("ComfyUI did not start: " + open(logf.name).read()[-4000:])
-                time.sleep(1)
-        yield dict(url=url, base=base, log=logf.name)
+        with running_comfyui(py, comfy, base) as (url, log, _):
+            yield dict(url=url, base=base, log=log)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        logf.close()
         shutil.rmtree(base, ignore_errors=True)
 
 
