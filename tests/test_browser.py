@@ -371,6 +371,24 @@ def running_comfyui(py, comfy, base, timeout=240):
         logf.close()
 
 
+def run_browser_script(server, name, source, cfg, timeout):
+    """Run a playwright-core script (node) with its JSON config; return its JSON result, failing
+    with the script's error, the page console and the server log's tail."""
+    cfg_path = os.path.join(server["base"], name + "_cfg.json")
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    script = os.path.join(server["base"], name + ".cjs")
+    with open(script, "w") as f:
+        f.write(source)
+    r = subprocess.run([server["node"], script, cfg_path], capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, PW_CORE=server["pw"]))
+    assert r.stdout.strip(), f"browser script failed: {r.stderr[-3000:]}"
+    res = json.loads(r.stdout)
+    tail = open(server["log"]).read()[-4000:]
+    assert not res.get("error"), f"{res.get('error')}\nconsole: {res.get('console')}\nserver: {tail}"
+    return res
+
+
 def test_pack_loaded(comfy_server):
     info = _get(comfy_server["url"] + "/object_info/FluxNumbaStepTimer")
     assert "FluxNumbaStepTimer" in info, open(comfy_server["log"]).read()[-4000:]
@@ -390,18 +408,7 @@ def test_chart_in_browser(comfy_server):
         "shotExample": os.path.join(ART, "browser_example_workflow.png"),
         "example": json.load(open(EXAMPLE)),
     }
-    cfg_path = os.path.join(comfy_server["base"], "browser_cfg.json")
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-    script = os.path.join(comfy_server["base"], "browser_test.cjs")
-    with open(script, "w") as f:
-        f.write(BROWSER_SCRIPT)
-    r = subprocess.run([comfy_server["node"], script, cfg_path], capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, PW_CORE=comfy_server["pw"]))
-    assert r.stdout.strip(), f"browser script failed: {r.stderr[-3000:]}"
-    res = json.loads(r.stdout)
-    tail = open(comfy_server["log"]).read()[-3000:]
-    assert not res.get("error"), f"{res.get('error')}\nconsole: {res.get('console')}\nserver: {tail}"
+    res = run_browser_script(comfy_server, "browser_test", BROWSER_SCRIPT, cfg, timeout=600)
     assert res["bars_before"] == 0
     assert res["bars"] == N_STEPS and res["rects"] == N_STEPS, res
     assert res["labels"] == "stock"
@@ -645,18 +652,7 @@ def test_example_workflow_runs_in_browser(comfy_server):
         "examplePath": EXAMPLE, "example": json.load(open(EXAMPLE)), "unet": FLUX_UNET, "vae": FLUX_VAE,
         **{"shot" + k.capitalize(): v for k, v in shots.items()},
     }
-    cfg_path = os.path.join(comfy_server["base"], "browser_example_cfg.json")
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-    script = os.path.join(comfy_server["base"], "browser_example.cjs")
-    with open(script, "w") as f:
-        f.write(EXAMPLE_SCRIPT)
-    r = subprocess.run([comfy_server["node"], script, cfg_path], capture_output=True, text=True, timeout=560,
-                       env=dict(os.environ, PW_CORE=comfy_server["pw"]))
-    assert r.stdout.strip(), f"browser script failed: {r.stderr[-3000:]}"
-    res = json.loads(r.stdout)
-    tail = open(comfy_server["log"]).read()[-4000:]
-    assert not res.get("error"), f"{res.get('error')}\nconsole: {res.get('console')}\nserver: {tail}"
+    res = run_browser_script(comfy_server, "browser_example", EXAMPLE_SCRIPT, cfg, timeout=560)
     print(f"\nopened with {res['opened_with']}, queued with {res['queued_with']}; edits:\n  " + "\n  ".join(res["edits"]))
 
     # only the user's substitutions: every other node and link of the example is still there
@@ -686,7 +682,7 @@ def test_example_workflow_runs_in_browser(comfy_server):
     assert all(inp["steps"] == EX_STEPS for _, inp in by_type["KSampler"])
 
     # the run finished
-    assert res["end"]["type"] == "execution_success", f"{res['end']}\nserver: {tail}"
+    assert res["end"]["type"] == "execution_success", f"{res['end']}\nserver: {open(comfy_server['log']).read()[-4000:]}"
     h = _get(comfy_server["url"] + f"/history/{res['prompt_id']}")[res["prompt_id"]]
     assert h["status"]["status_str"] == "success", h["status"]
     outs = h["outputs"]
