@@ -15,17 +15,7 @@ _pack.load()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from flux_numba_pack.cuda_kernels import linear_gelu  # noqa: E402
-
-
-def t_ms(fn, reps=30):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
+from flux_numba_pack.flux_core.harness import median_ms  # noqa: E402
 
 
 def main():
@@ -50,7 +40,7 @@ def main():
             assert torch.isnan(buf[..., :C]).all(), "wrote outside its slice"
         e_st = ((stock().float() - ref).norm() / ref.norm()).item()
         e_our = ((got.float() - ref).norm() / ref.norm()).item()
-        ts, to = t_ms(stock), t_ms(ours)
+        ts, to = median_ms(stock, dev, 3, 30), median_ms(ours, dev, 3, 30)
         saved = 2 * L * N * 2 / 1e9
         rows.append((name, e_st, e_our, ts, to, saved))
     print(f"\n{'shape':<26} {'err stock':>10} {'err ours':>10} {'stock ms':>9} {'ours ms':>9} {'GB saved':>9}")

@@ -41,6 +41,7 @@ import _pack  # noqa: E402
 _pack.load()
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import groupnorm_silu as gn  # noqa: E402
+from flux_numba_pack.flux_core import harness  # noqa: E402
 
 T0 = time.time()
 DEV = "cuda"
@@ -57,18 +58,8 @@ def note(name, **kw):
 
 
 def median_ms(fn, warm=3, rep=25):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rep):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
+    """One call between CUDA events, median (flux_core.harness)."""
+    return harness.median_ms(fn, DEV, warm, rep)
 
 
 def device_ms(fn, reps=10, trials=3):

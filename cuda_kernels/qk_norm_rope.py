@@ -288,20 +288,11 @@ def check(parts, pe, num_heads: int, eps: float = 1e-6):
     return None
 
 
-def _version(t):
-    """Version counter, or None for inference-mode tensors (ComfyUI runs nodes under
-    torch.inference_mode(); its models are loaded there too, so even weights have none)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
 def _scales(parts, device):
     # cached per (storage, version): the cache holds the sources, so an address cannot be reused;
     # without a version counter an in-place update (a LoRA on the norm scales) could go unseen,
     # so such scales are prepared afresh on every call (4 tiny ops).
-    vers = [_version(s) for p in parts for s in p[1:]]
+    vers = [ik.runtime.tensor_version(s) for p in parts for s in p[1:]]
     key = None if None in vers else tuple((s.data_ptr(), v, str(s.dtype)) for s, v in zip([s for p in parts for s in p[1:]], vers))
     hit = _scale_cache.get(key) if key is not None else None
     if hit is None:

@@ -64,6 +64,15 @@ def arr(t: torch.Tensor):
     return cuda.as_cuda_array(t.detach(), sync=False)
 
 
+def tensor_version(t):
+    """``t._version``, or None for inference-mode tensors (ComfyUI runs nodes, and loads models,
+    under ``torch.inference_mode()``: such tensors have no version counter)."""
+    try:
+        return t._version
+    except Exception:
+        return None
+
+
 _streams = {}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -56,14 +56,11 @@ def warm_calls(device) -> List[Tuple[str, str, Callable]]:
     return [(op, b, fn) for op, b, fn in calls if op in registry.ops and b in registry.backends(op)]
 
 
-def warm_all(device="cuda", ops: Optional[List[str]] = None, on_begin: Callable = None,
-             on_step: Callable = None, backends=None) -> Dict[str, dict]:
-    """Run each Numba backend once (only ``ops`` / only the (op, backend) pairs in ``backends`` when
-    given).  on_begin(name) / on_step(name, cached: bool, seconds, error)."""
+def warm_all(device="cuda", on_begin: Callable = None, on_step: Callable = None, backends=None) -> Dict[str, dict]:
+    """Run each Numba backend once (only the (op, backend) pairs in ``backends`` when given).
+    on_begin(name) / on_step(name, cached: bool, seconds, error)."""
     results = {}
     for op, backend, fn in warm_calls(device):
-        if ops is not None and op not in ops:
-            continue
         if backends is not None and (op, backend) not in backends:
             continue
         name = op if backend == "numba" else f"{op}/{backend}"

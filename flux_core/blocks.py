@@ -81,8 +81,10 @@ def modulation(mod, silu_vec):
     return mod.lin(silu_vec).chunk(mod.multiplier, dim=-1)
 
 
-def _norm_scales(attn):
-    return attn.norm.query_norm.scale, attn.norm.key_norm.scale
+def _norm_scales(m):
+    """q/k RMSNorm scales of an attention module (double block) or a single block: both have
+    ``.norm.query_norm`` / ``.norm.key_norm``."""
+    return m.norm.query_norm.scale, m.norm.key_norm.scale
 
 
 def _check_block_inputs(x, name):
@@ -148,7 +150,7 @@ def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None)
     lin1 = blk.linear1(h)
     del h
     qkv, mlp = lin1[..., :3 * C], lin1[..., 3 * C:]
-    q, k, v = registry.call("qk_norm_rope", [(qkv, *_norm_scales_single(blk))], pe, H, eps)
+    q, k, v = registry.call("qk_norm_rope", [(qkv, *_norm_scales(blk))], pe, H, eps)
     if ctx.fused:
         B, L, _ = x.shape
         buf = torch.empty((B, L, C + M), dtype=lin1.dtype, device=lin1.device)
@@ -166,6 +168,3 @@ def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None)
         x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
     return x
 
-
-def _norm_scales_single(blk):
-    return blk.norm.query_norm.scale, blk.norm.key_norm.scale

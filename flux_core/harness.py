@@ -1,6 +1,7 @@
 """Shared pieces of the CLI and the benchmark: device/dtype choice, timing, agreement metrics."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable, List
@@ -46,7 +47,8 @@ class StepTimer:
             self.ms = (time.perf_counter() - self.t0) * 1e3
 
 
-def median_ms(fn: Callable, device: torch.device, warmup: int = 2, reps: int = 5) -> List[float]:
+def step_times(fn: Callable, device: torch.device, warmup: int = 2, reps: int = 5) -> List[float]:
+    """ms of each of ``reps`` calls after ``warmup`` calls (CUDA events on a GPU)."""
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
@@ -57,6 +59,11 @@ def median_ms(fn: Callable, device: torch.device, warmup: int = 2, reps: int = 5
             fn()
         out.append(t.ms)
     return out
+
+
+def median_ms(fn: Callable, device, warmup: int = 2, reps: int = 5) -> float:
+    """Median of ``step_times``."""
+    return med(step_times(fn, torch.device(device), warmup, reps))
 
 
 def med(xs):
@@ -70,7 +77,7 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     rng = (a.max() - a.min()).item()
     if mse == 0:
         return float("inf")
-    return 10 * __import__("math").log10(rng * rng / mse)
+    return 10 * math.log10(rng * rng / mse)
 
 
 def rel_err(ref: torch.Tensor, x: torch.Tensor) -> float:

@@ -176,19 +176,12 @@ def _resolve_block(kind, index, extra, model_ref):
         return None
 
 
-def _safe_version(t):
-    try:
-        return t._version
-    except Exception:  # inference tensors have no version counter
-        return None
-
-
 # ----------------------------------------------------------------------------- runner
 class _Runner:
     """Shared by all block functions of one patch (and every later clone of the patched model)."""
 
     def __init__(self, options: dict, model_ref, patch_id: int):
-        blocks, registry, _ = _pack()
+        blocks, registry, runtime = _pack()
         self.blocks = blocks
         self.registry = registry
         self.opts = dict(options)
@@ -199,27 +192,11 @@ class _Runner:
         self.proven = set()  # input signatures that ran through our path once
         self.attn_choice = {}  # attention "auto": input signature -> backend the registry chose
         self.logged = set()
-        self.vec = None  # vec of the forward in progress (identity) and its SiLU cache
-        self.silu_cache = {}
+        self.silu_cache = {}  # shared by every block call: SiLU(vec) once per step (BlockContext.silu)
+        self.version = runtime.tensor_version
         while len(_STATS) >= 256:  # keep the counters of recent patches only
             _STATS.pop(next(iter(_STATS)))
         self.stats = _STATS.setdefault(patch_id, {"calls": 0, "fallbacks": 0, "reasons": {}})
-        ctx_cls = blocks.BlockContext
-
-        class _Ctx(ctx_cls):
-            """BlockContext whose SiLU(vec) cache is keyed on the vec object (inference tensors
-            have no version counter, and a freed vec's address can be reused next step)."""
-
-            def silu(ctx_self, vec):
-                import torch.nn.functional as F
-                if self.vec is not vec:
-                    self.vec = vec
-                    self.silu_cache = {}
-                hit = self.silu_cache.get("silu")
-                if hit is None:
-                    hit = self.silu_cache["silu"] = F.silu(vec if vec.ndim == 3 else vec[:, None, :])
-                return hit
-        self.ctx_cls = _Ctx
 
     @staticmethod
     def _policy(o, registry):
@@ -310,7 +287,7 @@ class _Runner:
         topts = args.get("transformer_options") or {}
         sig = (kind, tuple(img.shape), img.dtype, img.device, None if txt is None else tuple(txt.shape),
                None if mask is None else tuple(mask.shape))
-        ctx = self.ctx_cls(fused=self.fused, attention=self._attention(topts, sig),
+        ctx = self.blocks.BlockContext(fused=self.fused, attention=self._attention(topts, sig), silu_cache=self.silu_cache,
                            gemm_epilogue=self.fused and self.opts["backend"] == "auto" and self.opts["route_norms"])
         policy = self.policy
         choice = self.attn_choice.get(sig)
@@ -319,7 +296,7 @@ class _Runner:
         backup = None
         if sig not in self.proven:
             backup = (img.clone(), None if txt is None else txt.clone())
-        versions = (_safe_version(img), None if txt is None else _safe_version(txt))
+        versions = (self.version(img), None if txt is None else self.version(txt))
         self.stats["calls"] += 1
         try:
             with self.registry.force(**policy):
@@ -337,7 +314,7 @@ class _Runner:
                 if txt is not None:
                     txt.copy_(backup[1])
             else:
-                now = (_safe_version(img), None if txt is None else _safe_version(txt))
+                now = (self.version(img), None if txt is None else self.version(txt))
                 if versions[0] is None or now != versions:  # unknown (inference mode) or updated
                     log.error("[flux_numba] %s block %d %s after updating its input in place; cannot fall "
                               "back", kind, index, why)
@@ -367,9 +344,8 @@ def warm_kernels(unique_id, opts) -> dict:
         opts["attention"], {"numba"} if opts["backend"] == "numba" and opts["attention"] != "sdpa" else set())
     calls = [c for c in warmup.warm_calls("cuda")
              if (c[0] == "attention" and c[1] in want_attn) or (c[0] != "attention" and opts["route_norms"])]
-    names = [c[0] for c in calls]
     with compile_progress(unique_id, total=len(calls)) as prog:
-        res = warmup.warm_all("cuda", ops=sorted(set(names)), backends={(c[0], c[1]) for c in calls}, on_begin=prog.begin,
+        res = warmup.warm_all("cuda", backends={(c[0], c[1]) for c in calls}, on_begin=prog.begin,
                               on_step=lambda name, cached, dt, err: prog.step(name + (f" FAILED ({err})" if err else ""),
                                                                               cached=cached))
     return {k: {"s": round(v["seconds"], 2), "cached": v["cached"], "error": v["error"]} for k, v in res.items()}

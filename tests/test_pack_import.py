@@ -65,7 +65,9 @@ def test_redirector_trap_is_real():
     """Control: without the guard, a package named '...numba' cannot import its cuda_kernels."""
     if importlib.util.find_spec("_numba_cuda_redirector") is None:
         pytest.skip("numba-cuda's redirector is not installed here")
-    script = ("import sys, types; sys.setrecursionlimit(400); m = types.ModuleType('x-numba'); "
+    # importlib.util first: the redirector calls it without importing it, and where nothing else has
+    # (a fresh venv) it dies of AttributeError before it can show the recursion this control is about
+    script = ("import sys, types, importlib.util; sys.setrecursionlimit(400); m = types.ModuleType('x-numba'); "
               f"m.__path__ = [{ROOT!r}]; sys.modules['x-numba'] = m\n"
               "try:\n    import importlib; importlib.import_module('x-numba.cuda_kernels'); print('IMPORTED')\n"
               "except RecursionError:\n    print('RECURSION')\n")
