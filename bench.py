@@ -42,7 +42,8 @@ def parse():
     p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference (saves memory/time)")
     p.add_argument("--trajectory", type=int, default=0, help="also run an N-step Euler trajectory (PSNR vs fp32)")
     p.add_argument("--no-comfy", action="store_true", help="use the standalone model even if ComfyUI is importable")
-    p.add_argument("--autotune", action="store_true", default=True)
+    p.add_argument("--no-autotune", dest="autotune", action="store_false",
+                   help="auto picks by priority instead of timing each candidate once per shape")
     p.add_argument("--json", default=os.path.join(ROOT, "out", "bench.json"))
     p.add_argument("--vae", action="store_true", help="also time the FLUX VAE decode of a 1024^2 image, "
                    "stock ComfyUI decoder vs FluxNumbaVAEPatch's (bench/gpu_vae.py run_decoder)")
@@ -66,7 +67,7 @@ def main():
     from flux_numba_pack.cuda_kernels import registry, runtime
     from flux_numba_pack.flux_core import (BlockContext, FluxModel, FLUX1_DEV, TINY, double_block, single_block,
                                            euler_sample, flux_schedule, inspect_checkpoint, load_state_dict)
-    from flux_numba_pack.flux_core.harness import median_ms, med, pick_device, psnr, rel_err
+    from flux_numba_pack.flux_core.harness import step_times, med, pick_device, psnr, rel_err
 
     dev = pick_device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -102,8 +103,16 @@ def main():
     with torch.no_grad():
         if a.model:
             sd = load_state_dict(a.model)
-            missing = model.load_state_dict({k: v.to(dtype) for k, v in sd.items() if not k.endswith("scale_weight")}, strict=False)
-            del sd
+            weights = {}
+            for k, v in sd.items():  # fp8 "scaled" files: weight * its per-tensor scale
+                if k.endswith(".scale_weight") or k.endswith("scaled_fp8"):
+                    continue
+                s = sd.get(k[: -len("weight")] + "scale_weight") if k.endswith(".weight") else None
+                weights[k] = v.to(dtype) if s is None else (v.float() * s.float()).to(dtype)
+            res = model.load_state_dict(weights, strict=False)
+            if res.missing_keys or res.unexpected_keys:
+                raise SystemExit(f"{a.model}: missing {res.missing_keys[:3]}, unexpected {res.unexpected_keys[:3]}")
+            del sd, weights
         else:
             g = torch.Generator(device=dev).manual_seed(0)
             for n, w in model.named_parameters():  # the weights of ../shared probe/stock_flux.py
@@ -136,8 +145,8 @@ def main():
             rep[("single_block", i)] = fs
         return {"dit": rep}
 
-    def forward_fn(variant, m=None, xx=None):
-        m = m or model
+    def forward_fn(variant):
+        m = model
         if variant.endswith("+graph"):
             from flux_numba_pack.flux_core.graphs import GraphedForward, graph_blockers
             why = graph_blockers(model, dev)
@@ -205,7 +214,7 @@ def main():
             if dev.type == "cuda":  # steady state: JIT, autotune trial copies and capture are behind us
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            times = median_ms(fn, dev, warmup=a.warmup, reps=a.reps)
+            times = step_times(fn, dev, warmup=a.warmup, reps=a.reps)
             out = fn()
             used = registry.take_usage()
             r = {"ms": med(times), "times": times, "first_call_s": first,
@@ -214,7 +223,7 @@ def main():
             if ref_out is not None:
                 r["rel_err"] = rel_err(ref_out, out.float())
             if ref_traj is not None:
-                traj = euler_sample(lambda xx, tt: fn(xx, tt), x, steps)
+                traj = euler_sample(fn, x, steps)
                 r["traj_psnr_db"] = psnr(ref_traj, traj.float())
             results[v] = r
             print(f"{v}: {r['ms']:.2f} ms  " + json.dumps({k: r[k] for k in r if k not in ('times',)}))
@@ -308,8 +317,9 @@ def profile_forward(fn, label, top=22):
 
 
 def _ref_call(ref, x, t, ctx, y, g, registry, BlockContext):
+    import torch
     with registry.force("torch"):
-        return ref(x.float(), t, ctx.float(), y.float(), g, BlockContext(fused=False), dtype=__import__("torch").float32)
+        return ref(x.float(), t, ctx.float(), y.float(), g, BlockContext(fused=False), dtype=torch.float32)
 
 
 def _has_kitchen():
