@@ -28,8 +28,9 @@ from . import intrinsics as ik
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key then only hashes the factory's int constants
 from .intrinsics import cuda, float32, int64, unpack_w, pack4, pack1, round_bf16, ld2, st2  # noqa: F401
+from . import ln_modulate as _lm
 from .ln_modulate import reference as ln_modulate_reference
-from .ln_modulate import row_check, vec_views, _threads, _expand, make_row_kernel, NW_FOR
+from .ln_modulate import row_check, vec_views, _threads, _expand, NW_FOR
 from .registry import registry
 
 OP = "gated_residual"
@@ -127,12 +128,7 @@ def _launcher(kind, VEC, VW):
     key = (kind, VEC, VW)
     la = _launchers.get(key)
     if la is None:
-        NW = NW_FOR[(VEC, VW)]
-        if kind == "gated":
-            la = ik.Launcher(lambda: make_gated_kernel(VEC, NW, VW))
-        else:
-            la = ik.Launcher(lambda: make_row_kernel(VEC, NW, 1, VW))
-        la = _launchers[key] = la
+        la = _launchers[key] = ik.Launcher(lambda: make_gated_kernel(VEC, NW_FOR[(VEC, VW)], VW))
     return la
 
 
@@ -159,9 +155,7 @@ def numba_gated_residual_ln_modulate(x, gate, y, shift, scale, eps: float = 1e-6
     B = x.shape[0]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     VEC, VW, (xw, yw, ow, gw, shw, scw) = vec_views(x, y, out, _expand(gate, B), _expand(shift, B), _expand(scale, B))
-    Cw = xw.shape[2]
-    _launcher("ln", VEC, VW)(ik.grid3(1, x.shape[1], B), _threads(Cw, NW_FOR[(VEC, VW)]),
-                             xw, yw, gw, shw, scw, ow, np.float32(eps))
+    _lm.launch_rows(1, VEC, VW, xw, yw, gw, shw, scw, ow, eps)
     return out
 
 

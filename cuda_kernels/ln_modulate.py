@@ -6,9 +6,17 @@ any batch stride).  Used before every qkv / mlp / linear1 / final linear of FLUX
 Numba backend ("numba", bf16 only): one thread block per row (grid (1, L, B), while loops),
 each thread holds NW = 8 words of the row (32 bf16; C=3072: 96 threads per row) as *packed*
 words in registers and unpacks them again in each pass (a shift or mask per element) instead
-of keeping 16+ floats per thread (the old kernel: 96 registers, 3 rows in flight per SM);
+of keeping 16+ floats per thread; shift/scale are read only in the last pass (``LATE_VEC``:
+L1/L2 hits, 88 -> 64 registers, i.e. 10 rows in flight per SM instead of 7 -- the kernel is
+latency bound: each row waits for its loads, then two block reductions, then stores);
 16-byte loads/stores (ld.global.v2.u64) when every row and
 vector is 16-byte aligned, int64 words when 8-byte aligned, else the int16 scalar fallback.
+16-byte rows go through the software-pipelined variant (``make_pipe_kernel``: 8 blocks per
+SM, each striding over rows and issuing the next row's loads before the current row's
+reductions): img 20.0 us (68% of 3.7 TB/s; a torch copy of the same bytes takes 14.7 us).
+Tried and measured slower on the H200 (11-29 runs #2, #3): one warp per row (shuffle-only
+reductions, 12 x 16-byte loads per lane, 125 registers): 25.1 us vs 23.4 at img size; loading
+the vectors once per block for several rows (more live registers): 24.0 vs 22.4.
 Exact two-pass statistics (mean, then sum of squared deviations; warp-shuffle + shared-memory
 block reductions), fp32 math, one bf16 rounding of the output (pack: cvt.rn.bf16x2.f32).  The
 stock path rounds LN(x) and (1 + scale) to bf16 before the addcmul; this kernel does not
@@ -22,6 +30,7 @@ Bytes per call at FLUX 1024^2 (C = 3072, B = 1): read x + write y = 4*L*C bytes
 (stock: layer_norm + 1+scale + addcmul moves ~2x that.)
 """
 import functools
+import os
 
 import numpy as np
 import torch
@@ -52,7 +61,7 @@ MAX_THREADS = 1024
 NW_FOR = {(4, 2): 8, (4, 1): 4, (1, 1): 16}
 
 
-def make_row_kernel(VEC, NW, GATED, VW=1):
+def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0):
     """Row kernel factory.  GATED=1: first ``x += gate * y`` (x rounded to bf16 and stored),
     then LN + modulate of the new x.  Arrays are word views: x, y, out [B, L, Cw];
     gate, shift, scale [B, 1, Cw].  Thread slot k covers words (tid + k*nt)*VW .. +VW (VW 2:
@@ -102,19 +111,21 @@ def make_row_kernel(VEC, NW, GATED, VW=1):
                                 t2 = ld2(gr, 2 * j)
                                 wg[2 * k] = t2[0]
                                 wg[2 * k + 1] = t2[1]
-                            t2 = ld2(shr, 2 * j)
-                            wsh[2 * k] = t2[0]
-                            wsh[2 * k + 1] = t2[1]
-                            t2 = ld2(scr, 2 * j)
-                            wsc[2 * k] = t2[0]
-                            wsc[2 * k + 1] = t2[1]
+                            if not LATE:
+                                t2 = ld2(shr, 2 * j)
+                                wsh[2 * k] = t2[0]
+                                wsh[2 * k + 1] = t2[1]
+                                t2 = ld2(scr, 2 * j)
+                                wsc[2 * k] = t2[0]
+                                wsc[2 * k + 1] = t2[1]
                         else:
                             wx[k] = xr[j]
                             if GATED:
                                 wy[k] = yr[j]
                                 wg[k] = gr[j]
-                            wsh[k] = shr[j]
-                            wsc[k] = scr[j]
+                            if not LATE:
+                                wsh[k] = shr[j]
+                                wsc[k] = scr[j]
                 s = float32(0)
                 for k in range(NS):
                     j = tid + k * nt
@@ -152,6 +163,17 @@ def make_row_kernel(VEC, NW, GATED, VW=1):
                 for k in range(NS):
                     j = tid + k * nt
                     if j < Cs:
+                        if LATE:  # modulation vectors read only now (cache hits): fewer live registers
+                            if VW == 2:
+                                t2 = ld2(shr, 2 * j)
+                                wsh[2 * k] = t2[0]
+                                wsh[2 * k + 1] = t2[1]
+                                t2 = ld2(scr, 2 * j)
+                                wsc[2 * k] = t2[0]
+                                wsc[2 * k + 1] = t2[1]
+                            else:
+                                wsh[k] = shr[j]
+                                wsc[k] = scr[j]
                         for v in range(VW):
                             unpack_w(wx[k * VW + v], ta, 0, VEC)
                             unpack_w(wsh[k * VW + v], tb, 0, VEC)
@@ -172,14 +194,173 @@ def make_row_kernel(VEC, NW, GATED, VW=1):
     return ik.jit_kernel(row_kernel)
 
 
+def make_pipe_kernel(NW, GATED):
+    """Software-pipelined row kernel (16-byte words only; same math, rounding and thread layout
+    as ``make_row_kernel`` with LATE=1).  A block does rows li, li + gridDim.y, ...; the loads of
+    its next row are issued before the reductions of the current one, so every block keeps a
+    row in flight while it reduces (the one-row kernel leaves the memory system idle between
+    its loads and its stores; it reached 58-63% of copy bandwidth)."""
+
+    RED = ik.RED_SMEM
+    NS = NW // 2
+
+    def pipe_kernel(x, y, gate, shift, scale, out, eps):
+        smem = cuda.shared.array(RED, float32)
+        ta = cuda.local.array(4, float32)
+        tb = cuda.local.array(4, float32)
+        tc = cuda.local.array(4, float32)
+        wx = cuda.local.array(NW, int64)
+        wy = cuda.local.array(NW, int64)
+        nx = cuda.local.array(NW, int64)
+        ny = cuda.local.array(NW, int64)
+        wsh = cuda.local.array(NW, int64)
+        wsc = cuda.local.array(NW, int64)
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        L = x.shape[1]
+        Cs = x.shape[2] // 2
+        inv_n = float32(1) / float32(x.shape[2] * 4)
+        b = cuda.blockIdx.z
+        while b < x.shape[0]:
+            gr = gate[b, 0]
+            shr = shift[b, 0]
+            scr = scale[b, 0]
+            li = cuda.blockIdx.y
+            if li < L:  # prologue: the first row's loads
+                xr = x[b, li]
+                yr = y[b, li]
+                for k in range(NS):
+                    j = tid + k * nt
+                    if j < Cs:
+                        t2 = ld2(xr, 2 * j)
+                        nx[2 * k] = t2[0]
+                        nx[2 * k + 1] = t2[1]
+                        if GATED:
+                            t2 = ld2(yr, 2 * j)
+                            ny[2 * k] = t2[0]
+                            ny[2 * k + 1] = t2[1]
+            while li < L:
+                for i in range(NW):
+                    wx[i] = nx[i]
+                    if GATED:
+                        wy[i] = ny[i]
+                ln = li + cuda.gridDim.y
+                if ln < L:  # next row's loads, in flight during this row's reductions
+                    xn = x[b, ln]
+                    yn = y[b, ln]
+                    for k in range(NS):
+                        j = tid + k * nt
+                        if j < Cs:
+                            t2 = ld2(xn, 2 * j)
+                            nx[2 * k] = t2[0]
+                            nx[2 * k + 1] = t2[1]
+                            if GATED:
+                                t2 = ld2(yn, 2 * j)
+                                ny[2 * k] = t2[0]
+                                ny[2 * k + 1] = t2[1]
+                xr = x[b, li]
+                orow = out[b, li]
+                s = float32(0)
+                for k in range(NS):
+                    j = tid + k * nt
+                    if j < Cs:
+                        if GATED:
+                            g2 = ld2(gr, 2 * j)
+                        for v in range(2):
+                            unpack_w(wx[2 * k + v], ta, 0, 4)
+                            if GATED:  # x_new = bf16(x + bf16(gate * y)), exactly stock's rounding
+                                unpack_w(wy[2 * k + v], tb, 0, 4)
+                                unpack_w(g2[v], tc, 0, 4)
+                                for e in range(4):
+                                    ta[e] = ta[e] + round_bf16(tc[e] * tb[e])
+                                wx[2 * k + v] = pack4(ta[0], ta[1], ta[2], ta[3])
+                                unpack_w(wx[2 * k + v], ta, 0, 4)
+                            for e in range(4):
+                                s += ta[e]
+                        if GATED:
+                            st2(xr, 2 * j, wx[2 * k], wx[2 * k + 1])
+                mean = block_sum(s, smem) * inv_n
+                q = float32(0)
+                for k in range(NS):
+                    if tid + k * nt < Cs:
+                        for v in range(2):
+                            unpack_w(wx[2 * k + v], ta, 0, 4)
+                            for e in range(4):
+                                d = ta[e] - mean
+                                q += d * d
+                var = block_sum(q, smem) * inv_n
+                r = rsqrt(var + eps)
+                for k in range(NS):
+                    j = tid + k * nt
+                    if j < Cs:
+                        t2 = ld2(shr, 2 * j)
+                        wsh[2 * k] = t2[0]
+                        wsh[2 * k + 1] = t2[1]
+                        t2 = ld2(scr, 2 * j)
+                        wsc[2 * k] = t2[0]
+                        wsc[2 * k + 1] = t2[1]
+                        for v in range(2):
+                            unpack_w(wx[2 * k + v], ta, 0, 4)
+                            unpack_w(wsh[2 * k + v], tb, 0, 4)
+                            unpack_w(wsc[2 * k + v], tc, 0, 4)
+                            for e in range(4):
+                                ta[e] = (ta[e] - mean) * r * (float32(1) + tc[e]) + tb[e]
+                            wx[2 * k + v] = pack4(ta[0], ta[1], ta[2], ta[3])
+                        st2(orow, 2 * j, wx[2 * k], wx[2 * k + 1])
+                li = ln
+            b += cuda.gridDim.z
+
+    return ik.jit_kernel(pipe_kernel)
+
+
+# 16-byte rows: the pipelined kernel with PIPE_BLOCKS[GATED] blocks per SM (what fits by
+# registers: 76 registers x 96 threads -> 8); 0 = the one-row kernel.  Measured on the H200
+# (run 11-29 #3, img rows): LN 20.0 us pipelined (8/SM) vs 20.9 one-row; the gated variant
+# pipelined (95 registers, 4-12 blocks/SM) 35.8-40.5 us vs 32.4 one-row: off.
+PIPE_BLOCKS = {0: 8, 1: 0}
+if os.environ.get("FLUX_NUMBA_PIPE_BLOCKS"):
+    PIPE_BLOCKS = {0: int(os.environ["FLUX_NUMBA_PIPE_BLOCKS"]), 1: int(os.environ["FLUX_NUMBA_PIPE_BLOCKS"])}
+
+
+@functools.lru_cache(maxsize=16)
+def _sms(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# one-row kernel, per GATED: load shift/scale in the last pass instead of with x (88 -> 64
+# registers at 16-byte words: 10 rows in flight per SM instead of 7).  Measured (run #3, img):
+# LN 20.9 us late vs 23.4 with x; gated LN 33.3 late vs 32.4 with x -> late for LN only.
+LATE_VEC = {0: os.environ.get("FLUX_NUMBA_LATE_VEC", "1") == "1", 1: False}
+
+
+def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps):
+    """Launch the row kernel (LN + modulate, optionally after the gated residual) on word views."""
+    B, L, Cw = xw.shape
+    nt = _threads(Cw, NW_FOR[(VEC, VW)])
+    if PIPE_BLOCKS[GATED] > 0 and VEC == 4 and VW == 2:
+        key = ("pipe", GATED)
+        la = _launchers.get(key)
+        if la is None:
+            la = _launchers[key] = ik.Launcher(lambda: make_pipe_kernel(NW_FOR[(4, 2)], GATED))
+        ny = L
+        if xw.is_cuda:  # enough blocks to fill the GPU once, each striding over several rows
+            dev = xw.device.index if xw.device.index is not None else torch.cuda.current_device()
+            ny = min(L, max(1, _sms(dev) * PIPE_BLOCKS[GATED] // B))
+        la(ik.grid3(1, ny, B), nt, xw, yw, gw, shw, scw, ow, np.float32(eps))
+        return
+    _launcher(VEC, GATED, VW)(ik.grid3(1, L, B), _threads(Cw, NW_FOR[(VEC, VW)]),
+                              xw, yw, gw, shw, scw, ow, np.float32(eps))
+
+
 _launchers = {}
 
 
 def _launcher(VEC, GATED, VW=1):
-    key = (VEC, GATED, VW)
+    late = int(LATE_VEC[GATED])
+    key = (VEC, GATED, VW) + ((late,) if late else ())
     la = _launchers.get(key)
     if la is None:
-        la = _launchers[key] = ik.Launcher(lambda: make_row_kernel(VEC, NW_FOR[(VEC, VW)], GATED, VW))
+        la = _launchers[key] = ik.Launcher(lambda: make_row_kernel(VEC, NW_FOR[(VEC, VW)], GATED, VW, late))
     return la
 
 
@@ -230,10 +411,8 @@ def numba_ln_modulate(x, shift, scale, eps: float = 1e-6):
     B = x.shape[0]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     VEC, VW, (xw, ow, shw, scw) = vec_views(x, out, _expand(shift, B), _expand(scale, B))
-    Cw = xw.shape[2]
     # y and gate are unused when GATED=0: pass x / shift again (same types, no extra work)
-    _launcher(VEC, 0, VW)(ik.grid3(1, x.shape[1], B), _threads(Cw, NW_FOR[(VEC, VW)]),
-                          xw, xw, shw, shw, scw, ow, np.float32(eps))
+    launch_rows(0, VEC, VW, xw, xw, shw, shw, scw, ow, eps)
     return out
 
 
@@ -249,7 +428,10 @@ def _ptx_cases():
         for (vec, vw), nw in NW_FOR.items():
             dt = nt.int64 if vec == 4 else nt.int16
             c[n + " v%dw%d" % (vec, vw)] = lambda G=G, vec=vec, vw=vw, nw=nw, dt=dt: (
-                make_row_kernel(vec, nw, G, vw), (A(dt, 3),) * 6 + (nt.float32,))
+                make_row_kernel(vec, nw, G, vw, int(LATE_VEC[G])), (A(dt, 3),) * 6 + (nt.float32,))
+        c[n + " pipe"] = lambda G=G: (make_pipe_kernel(NW_FOR[(4, 2)], G), (A(nt.int64, 3),) * 6 + (nt.float32,))
+        c[n + " v4w2 other"] = lambda G=G: (make_row_kernel(4, NW_FOR[(4, 2)], G, 2, 1 - int(LATE_VEC[G])),
+                                             (A(nt.int64, 3),) * 6 + (nt.float32,))
     return c
 
 

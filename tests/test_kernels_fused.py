@@ -64,8 +64,28 @@ def ref_of(op):
 
 
 # ------------------------------------------------------------------------------------ ln_modulate
-@pytest.mark.parametrize("B,L,C,offset", [(2, 7, 64, 0.0), (1, 5, 96, 30.0), (2, 3, 66, 0.5), (2, 3, 68, -1.0)])
-def test_ln_modulate(B, L, C, offset):
+@pytest.fixture(params=["pipe", "late", "early"])
+def late(request, monkeypatch):
+    """Every row-kernel variant: pipelined (16-byte rows), one row per block with the modulation
+    vectors loaded in the last pass / with x.  The simulator's 2x2x2 grid makes each block
+    stride over several rows (the pipeline's prefetch of the next row is exercised)."""
+    monkeypatch.setattr(LM, "PIPE_BLOCKS", {0: 8, 1: 7} if request.param == "pipe" else {0: 0, 1: 0})
+    monkeypatch.setattr(LM, "LATE_VEC", {0: request.param != "early", 1: request.param != "early"})
+    return request.param
+
+
+def row_key(C, GATED, late):
+    """The launcher a row kernel call must have used (C % 4: int16 scalars; C % 8: 8-byte
+    words; else 16-byte pairs -- the pipelined kernel when enabled)."""
+    if late == "pipe" and C % 8 == 0:
+        return ("pipe", GATED)
+    key = (1, GATED, 1) if C % 4 else (4, GATED, 1) if C % 8 else (4, GATED, 2)
+    return key + ((1,) if late != "early" else ())
+
+
+@pytest.mark.parametrize("B,L,C,offset", [(2, 7, 64, 0.0), (1, 5, 96, 30.0), (2, 3, 66, 0.5), (2, 3, 68, -1.0),
+                                          (1, 9, 520, 2.0)])
+def test_ln_modulate(B, L, C, offset, late):
     torch.manual_seed(B * 100 + L + C)
     x = rnd(B, L, C, scale=2.0, offset=offset)
     mod = rnd(B, 1, 6 * C)  # shift/scale are chunks: unit stride on C, batch stride 6C
@@ -75,8 +95,7 @@ def test_ln_modulate(B, L, C, offset):
     assert registry.last["ln_modulate"] == "numba"
     close(y, ref_of("ln_modulate")(x, sh, sc, 1e-6))
     # variant (VEC, GATED, VW): C % 4 -> int16 scalar; C % 8 -> 8-byte words; else 16-byte pairs
-    key = (1, 0, 1) if C % 4 else (4, 0, 1) if C % 8 else (4, 0, 2)
-    assert LM._launchers[key].kernel is not None
+    assert LM._launchers[row_key(C, 0, late)].kernel is not None
 
 
 def test_ln_modulate_broadcast_batch():
@@ -105,8 +124,8 @@ def test_gated_residual_bit_exact(B, L, C):
     assert GR._launchers[key].kernel is not None
 
 
-@pytest.mark.parametrize("B,L,C", [(2, 7, 64), (2, 3, 66), (1, 4, 68)])
-def test_gated_residual_ln_modulate(B, L, C):
+@pytest.mark.parametrize("B,L,C", [(2, 7, 64), (2, 3, 66), (1, 4, 68), (1, 9, 520)])
+def test_gated_residual_ln_modulate(B, L, C, late):
     torch.manual_seed(7 + C)
     x = rnd(B, L, C, scale=3.0)
     y = rnd(B, L, C)
@@ -118,8 +137,7 @@ def test_gated_residual_ln_modulate(B, L, C):
     h2 = ref_of("gated_residual_ln_modulate")(x2, g, y, sh, sc, 1e-6)
     assert torch.equal(x1, x2)
     close(h1, h2)
-    key = ("ln", 1, 1) if C % 4 else ("ln", 4, 1) if C % 8 else ("ln", 4, 2)
-    assert GR._launchers[key].kernel is not None
+    assert LM._launchers[row_key(C, 1, late)].kernel is not None
 
 
 # ------------------------------------------------------------------------------------ gelu_tanh
@@ -364,3 +382,137 @@ def test_cache_key_includes_sources_and_options():
     k1, k2 = d1._cache._index_key("sig", None), d2._cache._index_key("sig", None)
     assert k1[:2] == ("sig", "numba") and len(k1) == 3 and k1[2][1] == ik.source_hash()
     assert k1 != k2 and len(ik.source_hash()) == 16
+
+
+# ------------------------------------------------------ qk_norm_rope(quant8=True): 8-bit attention prologue
+@pytest.fixture
+def poison_int8(monkeypatch):
+    """int8 buffers come back filled with -128 (never a quantized value: those are in +-127)."""
+    cur = torch.empty
+
+    def empty(*a, **kw):
+        t = cur(*a, **kw)
+        if t.dtype == torch.int8:
+            t.fill_(-128)
+        return t
+    monkeypatch.setattr(torch, "empty", empty)
+    QK._q8_scratch.clear()
+    yield
+    QK._q8_scratch.clear()
+
+
+def check_quant8_pack(q, k, pk):
+    """pack vs the torch reference of the same quantization (from the bf16 q/k the op returned)."""
+    L = q.shape[2]
+    q8, k8, qs, ks, Lp, km = QK.quant8_reference(q, k)
+    assert pk is not None and pk.q is q and pk.k is k and pk.Lp == Lp
+    torch.testing.assert_close(pk.kmean, km, rtol=1e-5, atol=1e-5)
+    for a, b in ((pk.q8, q8), (pk.k8, k8)):
+        assert a.shape == b.shape and a.dtype == torch.int8
+        assert (a != -128).all(), "unwritten int8 elements"
+        d = (a.int() - b.int()).abs()
+        assert d.max().item() <= 1 and (d > 0).float().mean().item() < 0.01  # rounding ties / approx division
+        assert (a[:, :, L:] == 0).all()
+    for a, b in ((pk.qs, qs), (pk.ks, ks)):
+        assert not torch.isnan(a).any()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+
+
+def test_qk_norm_rope_quant8_two_parts(poison_int8):
+    """Double block: txt + img parts (img row-strided, K with a channel offset the mean absorbs),
+    batch 2 with per-batch pe, ragged L (18 -> Lp 64: pad rows zero)."""
+    torch.manual_seed(7)
+    B, H, D, L1, L2 = 2, 2, 32, 5, 13
+    txt = rnd(B, L1, 3 * H * D, scale=2.0)
+    img = rnd(B, L2, 3 * H * D + 8)[..., :3 * H * D]
+    img[..., H * D:2 * H * D] += 2.0
+    s = [rnd(D, offset=1.0) for _ in range(4)]
+    parts = [(txt, s[0], s[1]), (img, s[2], s[3])]
+    pe = rope_pe(2, L1 + L2, D)
+    with numba():
+        q, k, v, pk = registry.call("qk_norm_rope", parts, pe, H, 1e-6, quant8=True)
+    qr, kr, vr = ref_of("qk_norm_rope")(parts, pe, H, 1e-6)
+    close(q, qr)
+    close(k, kr)
+    assert torch.equal(v, vr)
+    check_quant8_pack(q, k, pk)
+
+
+def test_qk_norm_rope_quant8_declines_cleanly():
+    """No int8 pack where the kernel does not make one (head dim 16; the torch reference): the
+    4th result is None and q/k/v are the ordinary outputs (attention then uses its pre-pass)."""
+    torch.manual_seed(8)
+    B, H, D, L = 1, 2, 16, 6
+    qkv = rnd(B, L, 3 * H * D)
+    s = rnd(D, offset=1.0)
+    with numba():
+        q, k, v, pk = registry.call("qk_norm_rope", [(qkv, s, s)], None, H, 1e-6, quant8=True)
+    assert pk is None
+    qr, kr, vr, pr = ref_of("qk_norm_rope")([(qkv, s, s)], None, H, 1e-6, quant8=True)
+    assert pr is None
+    close(q, qr)
+    close(k, kr)
+
+
+def test_blocks_fused_8bit_attention_uses_quant8_pack(poison_int8, monkeypatch):
+    """flux_core blocks with attention forced to numba-8bit: qk_norm_rope emits the int8 pack and the
+    8-bit kernel consumes it (no pre-pass); outputs match the torch blocks.  Other policies never ask."""
+    from flux_numba_pack.cuda_kernels import attention as A
+    torch.manual_seed(3)
+    h, heads, B, Lt, Li = 64, 2, 2, 5, 7
+    dbl = TinyDouble(h, heads).to(DEV, BF)
+    img, txt = rnd(B, Li, h, scale=2.0), rnd(B, Lt, h, scale=2.0)
+    vec = rnd(B, h)
+    pe = rope_pe(1, Lt + Li, h // heads)
+    got = []
+    orig = A._pending_pack
+    monkeypatch.setattr(A, "_pending_pack", lambda q, k: got.append(orig(q, k)) or got[-1])
+    prepass = []
+    monkeypatch.setattr(A, "_prepass", lambda *a, **kw: prepass.append(1))  # must not run
+    with torch.no_grad():
+        with registry.force("torch"):
+            ctx = blocks.BlockContext(fused=True)
+            assert not ctx.wants_q8()
+            ri, rt = blocks.double_block(dbl, img.clone(), txt.clone(), vec, pe, ctx=ctx)
+        with registry.force("numba", attention="numba"):
+            assert not blocks.BlockContext().wants_q8()
+        with registry.force("torch", qk_norm_rope="numba", attention="numba-8bit"):
+            ctx = blocks.BlockContext(fused=True)
+            assert ctx.wants_q8() and not blocks.BlockContext(attention=lambda *a: None).wants_q8()
+            ni, nt_ = blocks.double_block(dbl, img.clone(), txt.clone(), vec, pe, ctx=ctx)
+    assert len(got) == 1 and got[0] is not None and not prepass
+    assert getattr(A._q8_local, "pack", None) is None  # the offer ends with the call
+    for a, b in ((ni, ri), (nt_, rt)):
+        assert not torch.isnan(a).any()
+        assert _rel(a, b) < 2e-2, _rel(a, b)
+
+
+def test_fused_single_block_builds_linear2_input_inside_linear1(monkeypatch):
+    """With Numba q/k/v (own buffer) the fused single block writes attention + GELU into
+    linear1's output and allocates no [B, L, C+M] buffer (peak memory <= stock); with torch
+    q/k/v (views of linear1) it must use a separate buffer and still match."""
+    torch.manual_seed(3)
+    h, heads, B, L, mlp = 64, 2, 2, 9, 128
+    sgl = TinySingle(h, heads, mlp).to(DEV, BF)
+    x, vec = rnd(B, L, h, scale=2.0), rnd(B, h)
+    pe = rope_pe(1, L, h // heads)
+    shapes = []
+    real_empty = torch.empty
+
+    def spy(*a, **kw):
+        shapes.append(tuple(a[0]) if a and isinstance(a[0], (tuple, list)) else tuple(a))
+        return real_empty(*a, **kw)
+    with torch.no_grad():
+        with registry.force("torch"):
+            ref = blocks.single_block(sgl, x.clone(), vec, pe, ctx=blocks.BlockContext(fused=False))
+        monkeypatch.setattr(blocks.torch, "empty", spy)
+        with registry.force("torch"):
+            viewed = blocks.single_block(sgl, x.clone(), vec, pe, ctx=blocks.BlockContext(fused=True))
+        assert (B, L, h + mlp) in shapes
+        shapes.clear()
+        with numba():
+            inside = blocks.single_block(sgl, x.clone(), vec, pe, ctx=blocks.BlockContext(fused=True))
+        assert (B, L, h + mlp) not in shapes
+    for out in (viewed, inside):
+        assert not torch.isnan(out).any()
+        assert _rel(out, ref) < 1e-2, _rel(out, ref)
