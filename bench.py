@@ -13,7 +13,12 @@ importable -- COMFYUI_PATH or .carry/ComfyUI -- else the pack's standalone model
   exact+attn    as exact, attention on 'auto' too (bf16 Numba flash attention if it wins)
   fast          as exact, 8-bit Numba attention
   ...+graph     the same forward captured once as a CUDA graph and replayed (no launch gaps)
-Timing: CUDA events around one forward (= one sampling step), warm-up, median of repeats.
+Timing: CUDA events around one forward (= one sampling step), warm-up, median of repeats;
+"b2b ms": the same steps queued back to back (one pair of events), as a sampler that does not
+sync between steps runs them; SM clock / power / share of samples at the power cap from
+nvidia-smi during the timed steps (the H200 runs FLUX at its power cap).
+Diagnostics: --profile (GPU kernel time by category, idle gaps on the timeline), --memory
+(allocations live at the step's peak).
 Accuracy: relative error of one forward against an fp32 reference on the same (bf16-rounded)
 weights with TF32 off; optional N-step Euler trajectory PSNR against the fp32 trajectory.
 Prints a table last and writes JSON.
@@ -47,6 +52,7 @@ def parse():
     p.add_argument("--json", default=os.path.join(ROOT, "out", "bench.json"))
     p.add_argument("--vae", action="store_true", help="also time the FLUX VAE decode of a 1024^2 image, "
                    "stock ComfyUI decoder vs FluxNumbaVAEPatch's (bench/gpu_vae.py run_decoder)")
+    p.add_argument("--memory", default="", help="comma list of variants: allocations live at the peak of one forward")
     p.add_argument("--profile", default="", help="comma list of variants to profile (one forward): top GPU kernels")
     return p.parse_args()
 
@@ -214,10 +220,12 @@ def main():
             if dev.type == "cuda":  # steady state: JIT, autotune trial copies and capture are behind us
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            times = step_times(fn, dev, warmup=a.warmup, reps=a.reps)
+            with ClockLog(dev) as clk:
+                times = step_times(fn, dev, warmup=a.warmup, reps=a.reps)
             out = fn()
             used = registry.take_usage()
-            r = {"ms": med(times), "times": times, "first_call_s": first,
+            r = {"ms": med(times), "times": times, "first_call_s": first, "gpu_clocks": clk.summary(),
+                 "ms_back_to_back": back_to_back_ms(fn, a.reps) if dev.type == "cuda" else None,
                  "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else None,
                  "backends": {op: sorted(b) for op, b in used.items()}}
             if ref_out is not None:
@@ -240,6 +248,12 @@ def main():
         except Exception as e:
             print(f"profile {v} failed: {type(e).__name__}: {e}")
 
+    for v in [v for v in a.memory.split(",") if v]:
+        try:
+            results.setdefault(v, {})["memory_at_peak"] = memory_at_peak(forward_fn(v), v)
+        except Exception as e:
+            print(f"memory {v} failed: {type(e).__name__}: {e}")
+
     if a.vae:
         try:
             sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -257,7 +271,7 @@ def main():
         with open(os.path.join(os.environ["OUT"], os.path.basename(a.json)), "w") as f:
             json.dump({"info": info, "results": results}, f, indent=1)
     print(f"\nFLUX {a.config if not a.model else a.model} {a.res}x{a.res} txt {a.txt} batch {a.batch} on {info['device']}")
-    print(f"{'variant':<12} {'ms/step':>9} {'vs stock':>9} {'peak GB':>8} {'rel err':>8} {'traj dB':>8}")
+    print(f"{'variant':<12} {'ms/step':>9} {'vs stock':>9} {'b2b ms':>7} {'peak GB':>8} {'rel err':>8} {'traj dB':>8} {'SM MHz':>7} {'W':>5} {'capped':>6}")
     for v, r in results.items():
         if v == "vae-decode":
             continue
@@ -270,7 +284,11 @@ def main():
         pk = f"{r['peak_gb']:.1f}" if r.get("peak_gb") else "-"
         re_ = f"{100 * r['rel_err']:.2f}%" if "rel_err" in r else "-"
         tr = f"{r['traj_psnr_db']:.1f}" if "traj_psnr_db" in r else "-"
-        print(f"{v:<12} {r['ms']:>9.2f} {ratio:>9} {pk:>8} {re_:>8} {tr:>8}")
+        ck = r.get("gpu_clocks") or {}
+        cl = (f"{ck['sm_mhz_median']:>7.0f} {ck['power_w_median']:>5.0f} {ck['power_capped_share']:>6.0%}"
+              if ck else f"{'-':>7} {'-':>5} {'-':>6}")
+        b2b = f"{r['ms_back_to_back']:.2f}" if r.get("ms_back_to_back") else "-"
+        print(f"{v:<12} {r['ms']:>9.2f} {ratio:>9} {b2b:>7} {pk:>8} {re_:>8} {tr:>8} {cl}")
     vd = results.get("vae-decode")
     if vd:
         if "stock_ms" in vd:
@@ -278,6 +296,102 @@ def main():
                   f"({vd['speedup']}x), PSNR patched vs stock {vd['psnr_patched_vs_stock']} dB")
         else:
             print(f"VAE decode: {vd}")
+
+
+def memory_at_peak(fn, label, top=14):
+    """Replay torch's allocator trace of one forward: the step's peak above what was allocated
+    before it, and the allocations live at that peak (size, where they were made)."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=200000)
+    try:
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    del out
+    live, cur, peak, at_peak = {}, 0, 0, {}
+    for ev in snap["device_traces"][torch.cuda.current_device()]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+            cur += ev["size"]
+            if cur > peak:
+                peak, at_peak = cur, dict(live)
+        elif ev["action"] == "free_requested" and ev["addr"] in live:
+            cur -= live.pop(ev["addr"])["size"]
+
+    def where(ev):
+        fr = [f for f in ev.get("frames", []) if f["filename"].endswith(".py") and "torch/" not in f["filename"]]
+        return " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in fr[:3])
+    rows = sorted(at_peak.values(), key=lambda e: -e["size"])[:top]
+    print(f"\nmemory {label}: base {base / 1e9:.3f} GB, step peak +{peak / 1e9:.3f} GB, "
+          f"{len(at_peak)} allocations live at the peak")
+    for e in rows:
+        print(f"  {e['size'] / 1e6:9.1f} MB  {where(e)[:150]}")
+    return {"base_gb": base / 1e9, "peak_above_base_gb": peak / 1e9,
+            "top": [(e["size"], where(e)[:200]) for e in rows]}
+
+
+def back_to_back_ms(fn, n):
+    """ms per step with n steps queued back to back (one pair of events, no sync in between), as a
+    sampler runs them when nothing syncs between steps: the host prologue of step i+1 overlaps the
+    GPU work of step i.  ``ms`` (one synchronized step per pair of events) includes it."""
+    import torch
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / n
+
+
+class ClockLog:
+    """SM clock / power / throttle reasons sampled by nvidia-smi every 100 ms while the body runs
+    (the H200 runs FLUX at its power cap: clocks drop from 1980 MHz when GEMMs draw ~700 W)."""
+
+    def __init__(self, dev):
+        import shutil
+        self.exe = shutil.which("nvidia-smi") if dev.type == "cuda" else None
+        self.idx = dev.index if dev.index is not None else 0
+        self.proc = None
+
+    def __enter__(self):
+        import subprocess
+        import tempfile
+        if self.exe:
+            self.f = tempfile.TemporaryFile("w+")
+            self.proc = subprocess.Popen([self.exe, "-i", str(self.idx), "-lms", "100", "--format=csv,noheader,nounits",
+                                          "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active"],
+                                         stdout=self.f, stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait()
+
+    def summary(self):
+        if not self.proc:
+            return None
+        import statistics
+        self.f.seek(0)
+        rows = []
+        for ln in self.f.read().splitlines():
+            try:
+                c, p, r = [x.strip() for x in ln.split(",")]
+                rows.append((float(c), float(p), int(r, 16)))
+            except ValueError:
+                continue
+        if not rows:
+            return None
+        return {"samples": len(rows), "sm_mhz_median": statistics.median(r[0] for r in rows),
+                "sm_mhz_min": min(r[0] for r in rows), "power_w_median": statistics.median(r[1] for r in rows),
+                "power_capped_share": round(sum(1 for r in rows if r[2] & 0x4) / len(rows), 2)}
 
 
 def category(name):
@@ -298,6 +412,11 @@ def profile_forward(fn, label, top=22):
     fn(); torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn(); torch.cuda.synchronize()
+    gaps = None
+    try:
+        gaps = kernel_gaps(prof)
+    except Exception as e:  # the timeline is a diagnosis: never fail the benchmark on it
+        print(f"gap analysis failed: {type(e).__name__}: {e}")
     rows = {}
     for e in prof.events():
         if e.device_type.name != "CUDA":
@@ -312,8 +431,46 @@ def profile_forward(fn, label, top=22):
     print(f"\nprofile {label}: GPU kernel time {total:.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1])))
     for n, (ms, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {ms:8.3f} ms {c:5d}x  [{category(n)}] {n[:110]}")
-    return {"total_ms": total, "categories": cats,
+    return {"total_ms": total, "categories": cats, "gaps": gaps,
             "top": [(n[:160], ms, c) for n, (ms, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]]}
+
+
+def kernel_gaps(prof, top=12):
+    """Where the GPU idles during one profiled forward: span from the first kernel's start to the
+    last one's end, busy time (union of kernel intervals), idle gaps between consecutive kernels
+    (histogram and the largest, with the kernels on either side)."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            tr = json.load(f)
+    finally:
+        os.unlink(path)
+    ev = sorted((float(e["ts"]), float(e.get("dur", 0)), e.get("name", "?")) for e in tr.get("traceEvents", [])
+                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
+    if not ev:
+        return None
+    span = ev[-1][0] + ev[-1][1] - ev[0][0]
+    busy, end, gl = 0.0, ev[0][0], []
+    for i, (ts, dur, name) in enumerate(ev):
+        if ts > end:
+            gl.append((ts - end, ev[i - 1][2] if i else "", name))
+        busy += max(0.0, ts + dur - max(ts, end))
+        end = max(end, ts + dur)
+    bins = [(0, 2), (2, 5), (5, 10), (10, 50), (50, 1e12)]
+    hist = {f"{lo}-{hi if hi < 1e12 else 'inf'} us": [sum(1 for g in gl if lo <= g[0] < hi),
+                                                       round(sum(g[0] for g in gl if lo <= g[0] < hi) / 1e3, 3)]
+            for lo, hi in bins}
+    out = {"kernels": len(ev), "span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
+           "idle_ms": round((span - busy) / 1e3, 3), "gaps_count_ms": hist,
+           "largest": [(round(g, 1), a[:70], b[:70]) for g, a, b in sorted(gl, reverse=True)[:top]]}
+    print(f"timeline: {out['kernels']} kernels, span {out['span_ms']} ms, busy {out['busy_ms']} ms, idle {out['idle_ms']} ms")
+    print("  gaps (count, ms): " + ", ".join(f"{k}: {v[0]} / {v[1]}" for k, v in hist.items()))
+    for g, a, b in out["largest"]:
+        print(f"  {g:8.1f} us after {a[:60]} -> {b[:60]}")
+    return out
 
 
 def _ref_call(ref, x, t, ctx, y, g, registry, BlockContext):
