@@ -1,11 +1,20 @@
 """GPU check + timing of the attention op's numba backends (run on the H200 from the repo root).
 
     FLUX_NUMBA_REAL_GPU=1 python bench/gpu_attention.py            # all checks + timings
+    FLUX_ATTN_8BIT_VARIANTS= python bench/gpu_attention.py          # bf16 kernels only (< 2 min)
     FLUX_ATTN_QUICK=1 ...                                          # only the FLUX shape
     FLUX_ATTN_VARIANTS=4w,8w,wg,wgr,wg2 FLUX_ATTN_8BIT_VARIANTS=mma,wg,wgr ...   # kernels to compare
     FLUX_ATTN_CHECK_ALL=1 ...                                      # check every case with every variant
-(wg* variants are Hopper-only inline-PTX kernels: run them in a separate process from the default
-ones, so that a faulting kernel cannot poison the CUDA context of the main measurement.)
+    FLUX_ATTN_FULL=w32,w32x8,wgpp,wgpp64 ...     # variants checked on every case (others: FLUX shape only)
+Default bf16 variants: 4w (default kernel, 16 rows/warp) and the 32-rows-per-warp family w32 (4 warps,
+128-row blocks), w32x8 (8 warps), w32n16 (16-key tiles, no spills); opt-in: w32x2 (2 warps), w32e
+(w32 rescaling O on every tile), w32n32.  Hopper wgmma variants (FLUX_ATTN_WG_VARIANTS, default
+wgpp,wgpp64,wgppr; opt-in wgppx2, wgp, wgpr, wgpx2, wgp2, wg, wgr, wg2) run in a child process after the
+FLUX-shape step, so that a faulting kernel cannot poison the CUDA context of the main measurement
+(its rows are merged into the table; FLUX_ATTN_WG_VARIANTS= skips it).  The FLUX shape is
+also timed as device time (10 launches inside one CUDA graph, replayed: no Python launch cost).
+Variants outside FULL are checked and timed at the FLUX shape only (each extra (variant, head dim,
+mask) costs a JIT compile of a few seconds).
 
 Checks (fresh random inputs, poisoned outputs, NaN check): relative Frobenius error vs an fp32
 SDPA (math backend, TF32 off) next to bf16 SDPA's own error, at [1,24,4608,128] (FLUX 1024^2),
@@ -129,7 +138,14 @@ BACKENDS = [b for b in ("numba", "numba-8bit") if b in registry.backends("attent
 # backend labels; "numba@8w" = the numba backend with the 8-warp (128 x 64) tiling variant.
 # FLUX_ATTN_VARIANTS (default "4w,8w"): bf16 tilings to compare ("wg" / "wg2" = Hopper wgmma kernel
 # with 1 / 2 warpgroups per block); FLUX_ATTN_8BIT_VARIANTS (default "mma"): 8-bit kernels.
-VARS = [x for x in os.environ.get("FLUX_ATTN_VARIANTS", "4w,8w").split(",") if x]
+VARS = [x for x in os.environ.get("FLUX_ATTN_VARIANTS", "4w,w32,w32x8,w32n16").split(",") if x]
+FULL = [x for x in os.environ.get("FLUX_ATTN_FULL", "w32,w32x8,wgpp,wgpp64").split(",") if x]
+# Hopper wgmma variants run in a child process (a faulting kernel poisons its CUDA context only),
+# after the FLUX-shape check + timing of the variants above; FLUX_ATTN_WG_VARIANTS= skips them.
+WGVARS = [x for x in os.environ.get("FLUX_ATTN_WG_VARIANTS", "wgpp,wgpp64,wgppr").split(",") if x]
+CHILD = os.environ.get("FLUX_ATTN_CHILD") == "1"
+if CHILD:
+    VARS, BACKENDS = WGVARS, ["numba"]
 VARS8 = [x for x in os.environ.get("FLUX_ATTN_8BIT_VARIANTS", "mma").split(",") if x]
 CHECK_ALL = os.environ.get("FLUX_ATTN_CHECK_ALL") == "1"   # check every case with every variant
 LABELS = [("numba" if v == "4w" else f"numba@{v}", "numba", v) for v in VARS] if "numba" in BACKENDS else []
@@ -166,7 +182,7 @@ def check_case(name, B, H, L, D, mask=None, qk_scale=1.0, seed=0, out_view=False
     r32 = ref32(q, k, v, mask)
     e16 = rel(sdpa16(q, k, v, mask), r32)
     for label, be, var in LABELS:
-        if var not in ("4w", "8:mma") and not CHECK_ALL and not name.startswith("[1,24,4608"):
+        if var not in ("4w", "8:mma") and var not in FULL and not CHECK_ALL and not name.startswith("[1,24,4608"):
             continue
         variant(var)
         try:
@@ -196,21 +212,56 @@ def check_case(name, B, H, L, D, mask=None, qk_scale=1.0, seed=0, out_view=False
     torch.cuda.empty_cache()
 
 
+def graph_ms(fn, n=10):
+    """Device time of one call: n calls captured in one CUDA graph, median replay / n."""
+    fn()
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for _ in range(n):
+            fn()
+    t = time_ms(gr.replay, reps=20) / n
+    del gr
+    return t
+
+
+def kernel_info(D):
+    """Registers / local memory per thread of the current variant's compiled no-mask kernel."""
+    try:
+        k = A._kernel(D, False, A._warps(D, torch.device(DEV)))
+        r, lm = k.get_regs_per_thread(), k.get_local_mem_per_thread()
+        one = lambda x: list(x.values())[0] if isinstance(x, dict) and len(x) == 1 else x  # noqa: E731
+        return {"regs": str(one(r)), "local_bytes": str(one(lm))}
+    except Exception as ex:
+        return {"info": type(ex).__name__}
+
+
 def bench_case(name, B, H, L, D):
     B, H, L, D, _ = _dry(B, H, L, D)
     q, k, v = make(B, H, L, D, seed=1)
     flops = 4.0 * B * H * L * L * D
+    GRAPH = not DRY and name.startswith("[1,24,4608")
     try:
+        if CHILD:   # the parent process times SDPA
+            raise StopIteration
         t = time_ms(lambda: F.scaled_dot_product_attention(q, k, v))
         note(f"time {name} sdpa", ms=round(t, 4), tflops=round(flops / t / 1e9, 1))
         rows.append((f"time {name}", "sdpa (kernel only)", f"{t:.4f} ms", f"{flops / t / 1e9:.0f} TFLOP/s"))
         out = torch.empty(B, L, H * D, dtype=q.dtype, device=DEV)
         t = time_ms(lambda: A.reference(q, k, v, out=out))
         rows.append((f"time {name}", "torch op (sdpa+copy)", f"{t:.4f} ms", f"{flops / t / 1e9:.0f} TFLOP/s"))
+        if GRAPH:
+            t = graph_ms(lambda: F.scaled_dot_product_attention(q, k, v))
+            note(f"time {name} sdpa (CUDA graph)", ms=round(t, 4), tflops=round(flops / t / 1e9, 1))
+            rows.append((f"time {name}", "  sdpa device time (graph)", f"{t:.4f} ms", f"{flops / t / 1e9:.0f} TFLOP/s"))
+    except StopIteration:
+        pass
     except Exception as ex:
         traceback.print_exc()
         rows.append((f"time {name}", "sdpa", type(ex).__name__, "ERR"))
     for label, be, var in LABELS:
+        if be == "numba" and var not in ("4w",) and var not in FULL and not CHECK_ALL and not GRAPH:
+            continue
         variant(var)
         try:
             out = torch.empty(B, L, H * D, dtype=q.dtype, device=DEV)
@@ -219,6 +270,12 @@ def bench_case(name, B, H, L, D):
             ok = tf >= 400 if be == "numba" else t <= 0.33
             note(f"time {name} {label}", ms=round(t, 4), tflops=round(tf, 1), meets_bar=ok)
             rows.append((f"time {name}", label, f"{t:.4f} ms", f"{tf:.0f} TFLOP/s" + ("" if ok else " (below bar)")))
+            if GRAPH and be == "numba":
+                tg = graph_ms(lambda: call(be, q, k, v, None, out=out))
+                note(f"time {name} {label} (CUDA graph)", ms=round(tg, 4), tflops=round(flops / tg / 1e9, 1),
+                     **kernel_info(D))
+                rows.append((f"time {name}", f"  {label} device time (graph)", f"{tg:.4f} ms",
+                             f"{flops / tg / 1e9:.0f} TFLOP/s"))
             if be == "numba-8bit" and var == "8:mma":  # split: quantization pre-pass (numba) vs torch
                 tq = time_ms(lambda: A.quantize_8bit_numba(q, k, v))
                 rows.append((f"time {name}", "  of which numba quant pre-pass", f"{tq:.4f} ms", ""))
@@ -246,11 +303,55 @@ def bench_case(name, B, H, L, D):
     torch.cuda.empty_cache()
 
 
+def run_child():
+    """The wgmma variants in a fresh process; its table rows are merged into ours."""
+    import subprocess
+    budget = max(25.0, 95.0 - (time.time() - T0))
+    env = dict(os.environ, FLUX_ATTN_CHILD="1", FLUX_ATTN_CHILD_BUDGET=str(budget))
+    env.pop("OUT", None)
+    t = time.time()
+    try:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True,
+                           text=True, timeout=budget + 10)
+        out, rc, err = r.stdout, r.returncode, r.stderr
+    except subprocess.TimeoutExpired as ex:
+        dec = lambda x: (x or b"").decode(errors="replace") if isinstance(x, bytes) else (x or "")  # noqa: E731
+        out, rc, err = dec(ex.stdout), "timeout", dec(ex.stderr)
+    print("\n".join(ln for ln in out.splitlines() if not ln.startswith("CHILD_JSON "))[-6000:]
+          + err[-3000:], flush=True)
+    got = [ln for ln in out.splitlines() if ln.startswith("CHILD_JSON ")]
+    if got:
+        data = json.loads(got[-1][len("CHILD_JSON "):])
+        rows.extend(tuple(r) for r in data["rows"])
+        results.update({"wgmma child: " + k: v for k, v in data["results"].items()})
+    if rc != 0 or not got:
+        rows.append(("wgmma child process", ",".join(WGVARS), f"rc={rc} after {time.time() - t:.0f}s", "ERR"))
+
+
 def main():
     print("device:", torch.cuda.get_device_name(), "torch", torch.__version__, "backends", BACKENDS, flush=True)
     quick = os.environ.get("FLUX_ATTN_QUICK") == "1"
     steps = [lambda: check_case("[1,24,4608,128]", 1, 24, 4608, 128, seed=2),
              lambda: bench_case("[1,24,4608,128]", 1, 24, 4608, 128)]
+    if CHILD:
+        budget = float(os.environ.get("FLUX_ATTN_CHILD_BUDGET", "60"))
+        g = torch.Generator(device=DEV).manual_seed(4)
+        bmask = torch.rand(2, 1000, 1000, device=DEV, generator=g) > 0.2
+        bmask[..., 0] = True
+        steps += [lambda: check_case("[2,24,1000,128] bool mask [B,L,L]", 2, 24, 1000, 128, mask=bmask, seed=3),
+                  lambda: check_case("[1,24,333,128] extreme logits (x12)", 1, 24, 333, 128, qk_scale=12.0, seed=9)]
+        for st in steps:
+            if time.time() - T0 > budget:
+                rows.append(("(child skipped)", "", "time budget", ""))
+                break
+            try:
+                st()
+            except Exception as ex:
+                traceback.print_exc()
+                rows.append(("child step", "", f"{type(ex).__name__}: {ex}"[:60], "ERR"))
+            # after every step: a parent that times us out still gets the rows so far
+            print("CHILD_JSON " + json.dumps({"rows": rows, "results": results}, default=str), flush=True)
+        return
     if not quick:
         def bool_mask():
             g = torch.Generator(device=DEV).manual_seed(4)
@@ -264,7 +365,11 @@ def main():
             m[:, 700:] = -torch.finfo(torch.bfloat16).max
             return m
         steps += [
-            lambda: check_case("[2,24,1000,128] bool mask [B,L,L]", 2, 24, 1000, 128, mask=bool_mask(), seed=3),
+            lambda: check_case("[2,24,1000,128] bool mask [B,L,L]", 2, 24, 1000, 128, mask=bool_mask(), seed=3)]
+    if WGVARS:   # after the FLUX shape and the ragged + masked case of the variants above
+        steps.append(run_child)
+    if not quick:
+        steps += [
             lambda: check_case("[2,24,1000,128] additive mask [L,L]", 2, 24, 1000, 128, mask=add_mask(), seed=6),
             lambda: check_case("[1,1,16384,64]", 1, 1, 16384, 64, seed=7),
             lambda: check_case("[1,2,16381,64] ragged", 1, 2, 16381, 64, seed=8),
@@ -275,7 +380,7 @@ def main():
         steps += [lambda: bench_case("[1,24,4352,128] (512 txt + 3840)", 1, 24, 4352, 128),
                   lambda: bench_case("[1,1,16384,64]", 1, 1, 16384, 64)]
     for st in steps:
-        if time.time() - T0 > 130 and not DRY:
+        if time.time() - T0 > 100 and not DRY:
             print("time budget reached, skipping the rest", flush=True)
             rows.append(("(skipped)", "", "time budget", ""))
             break

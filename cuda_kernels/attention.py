@@ -31,6 +31,39 @@ rows sharing each K/V tile (half the L2 -> SM traffic).  Measured (H200, [1,24,4
 of 25): 4w 0.974 ms = 268 TFLOP/s (cuDNN SDPA 0.398 ms = 655); wg 1.707 ms, wgr 1.804, wg2 1.243
 (all correct at D=128, errors = SDPA's; ~80% error at D=64, so on the GPU they run for D=128 only
 and fall back to 4w otherwise -- see _wg_ok).  4w stays the default.
+``w32`` family (``_make_kernel32``, FA2's tiling; every head dim): 32 query rows per warp (two
+m16 tiles), so one ldmatrix.x4 (512 B) feeds 4 mma instead of 2: 128 B of shared-memory reads per
+4096-FLOP mma instead of 256 (Hopper: ~128 B/clk/SM, i.e. 4w needs >= 2 clk of smem per mma).
+Q stays in registers (2 x D/4), O 2 x D/2 fp32, so at D=128 the KV tile is 32 keys (S = 32
+fp32; 224 array registers, ptxas: 255 regs + ~70 B spill, the 4 row sums) -- 64 keys at D <= 64;
+K/V in a 2-stage cp.async ring (34.8 KB static, tile j+1 loads while tile j computes, one barrier
+per tile); O is rescaled only for rows whose running max moved (exact).  ``w32`` = 4 warps / 128
+rows (864 blocks at FLUX size, 2 per SM: 3.27 waves -> 4), ``w32x8`` = 8 warps / 256 rows (half
+the L2 -> SM K/V traffic; Q staged in 2 passes), ``w32x2`` = 2 warps / 64 rows, ``w32e`` = w32
+rescaling O every tile, ``w32n32`` = 32-key tiles at any D.  Predicted at FLUX size: ~0.6-0.75 ms
+(350-430 TFLOP/s).  MEASURED (H200, session 2 run 4, device time of 10 launches in a CUDA graph):
+4w 1.009 ms, w32 1.133, w32x8 1.035, w32n16 1.187 -- all correct (errors = SDPA's on every case)
+and all slower than 4w: halving the shared-memory reads per mma bought nothing, so the smem
+bandwidth model was wrong for these kernels (spills at 255 registers and the longer per-tile
+softmax chain are the suspects; no Nsight Compute here to tell).  Opt-in only.
+``wgp`` family (``_make_kernel_wgp``, Hopper, D=128 on the GPU like wg): wg's wgmma kernel with
+32-key K|V tiles in a 3-stage cp.async ring (16 KB per stage = exactly 48 KB static; 2 tiles in
+flight while one computes, one barrier per tile) instead of wg's single buffers, whose load latency
+was exposed every tile; O rescaled only when the row max moved.  ptxas: wgp 194 regs (2 blocks/SM),
+``wgpr`` capped at 168 (3 blocks/SM, 28 B spill), ``wgpx2`` 2 warpgroups / 128 rows (161 regs),
+``wgp2`` 2-stage ring.  Prediction: the wgmma work per 32-key tile is ~256 clk/SM vs ~500+ with
+mma.sync, so 0.45-0.6 ms if 2-3 co-resident blocks hide the softmax and the waits.
+``wgpp`` (``_make_kernel_wgpp``): wgp plus FA3's intra-warpgroup overlap -- S(j+1) and P(j) V(j)
+are issued together, the softmax of tile j+1 runs between wait_group 1 and 0 (SASS checked: 8
+HGMMA 64x32 + 2 HGMMA 64x128 back to back, DEPBAR 1, softmax, DEPBAR 0; no branch may surround a
+wgmma group or ptxas serializes them all (C7514), hence a phantom last S that is masked out).
+186 regs (``wgppr``: 168, 8 B spill; ``wgppx2``: 2 warpgroups / 128 rows, 167 regs).
+``wgpp64``: 64-key tiles (half the per-tile barriers / waits / shuffles per key; 255 regs, no
+spill), 3 x 32 KB ring in dynamic shared memory (96 KB: _dyn_optin sets the kernel attribute
+before the first launch; 2 blocks/SM = 192 KB).  Predicted the fastest: ~0.45-0.55 ms.
+MEASURED (session 2 run 4): wgpp 1.900 ms, wgpp64 1.796, wgppr 1.811 -- correct (masks, ragged
+L=333, x12 logits: errors = SDPA's; the >48 KB dynamic shared memory opt-in works) but 1.8x
+slower than 4w.  Opt-in only; 4w stays the default (cuDNN SDPA: 0.40-0.44 ms = 590-650).
 
 ``numba-8bit`` (priority 5, never picked over ``numba`` automatically; the fast profile forces it):
 K smoothed by a per-head vector (mean of 64 evenly spaced tokens; no correction needed, see the
@@ -41,6 +74,17 @@ was 3 launches + a torch mean + a V->fp16 pass = 1.11 ms; the one-launch version
 (0.23 ms at [1,1,16384,64]: launch overhead + serialized load latency), since then the loads are
 branch-free (unmeasured)); ``quantize_8bit`` is its torch reference (``FLUX_ATTN_8BIT_PREPASS=torch``
 uses it).  Head dims 32, 64, 128.  Measured: 8-bit total 0.935 ms at FLUX (was 1.78), error 1.26%.
+Fused prologue (no pre-pass): flux_core.blocks asks ``qk_norm_rope(..., quant8=True)`` when attention
+is forced to numba-8bit; that pass also writes int8 Q/K with per-(token, head) scales (K minus a
+per-head mean of 64 sampled tokens from a tiny pre-launch) and the block offers the pack to exactly
+one attention call (``prequantized(pack)``; taken only for the same q/k objects).  The kernel then
+runs with per-token scales (``_make_kernel8(per_tok=True)``: K scales staged in shared memory with
+the K tile, the Q row scale folded into the exp2 argument).  Without a pack: the pre-pass as above.
+MEASURED (session 2 run 4, device time): pre-pass 0.091 ms (the 0.40 ms above was host-bound
+timing), old path pre-pass + kernel 0.903 ms; fused: qk_norm_rope with quantization 0.098 ms vs
+0.052 plain, kernel 0.908 ms; prologue + attention 1.000 ms fused vs 0.951 old -- the per-token
+scales cost the kernel ~0.1 ms, so the fusion is 5% slower, but more accurate: 1.01-1.11% vs
+1.32-1.47% (fp32 reference; SDPA bf16 0.23%).  Bar (<= 0.33 ms) not met by either.
 ``FLUX_ATTN_8BIT_KERNEL=wg|wgr`` / ``set_variant8``: Hopper kernel, S on wgmma m64n64k32 s8
 (correct at D=128, 1.49 ms: slower than the mma.sync kernel; D=128 only on the GPU).
 """
@@ -311,6 +355,244 @@ def _make_kernel(D, has_mask, NW=_NW):
     return kern
 
 
+def _make_kernel32(D, has_mask, NW=4, BN=None, LAZY=1):
+    """Variants ``w32*`` (FA2's tiling): every warp owns 32 query rows (two m16 tiles), so each
+    K / V fragment fetched by ldmatrix feeds 4 mma.m16n8k16 instead of 2 -- 128 B of shared-memory
+    reads per mma instead of 256 (ldmatrix.x4 = 512 B per warp).  Block = NW warps = 32 * NW rows.
+    KV tiles of BN keys (32 at D > 64 so that O 2*D/2 + Q 2*D/4 + S BN fp32 fit in 255 registers:
+    224 at D=128; 64 at D <= 64) in a 2-stage cp.async ring [K0 | K1 | V0 | V1]: tile j+1 loads
+    while tile j computes, one barrier per tile.  Q is staged through the ring (in passes of 4*BN
+    rows when BM is larger) into A fragments in registers."""
+    RPW = 32
+    if BN is None:
+        BN = 64 if D <= 64 else 32
+    BM = RPW * NW
+    NTH = NW * 32
+    DW = D // 2            # 32-bit words per row
+    RW = DW + 4            # padded shared row (words): conflict-free ldmatrix
+    CH = DW // 4           # 16-byte chunks per row
+    NCHUNK = BN * CH
+    LOADS = (NCHUNK + NTH - 1) // NTH
+    KT = D // 16
+    NT = BN // 8
+    NP = NT // 2
+    DT = D // 8
+    DP = DT // 2
+    PT = BN // 16
+    TILE = BN * RW         # words per stage
+    RING = 4 * TILE
+    RSTEP = NTH // CH if NTH % CH == 0 else 0   # rows per load step (fast load path)
+    QCAP = 4 * BN          # rows the ring holds when Q is staged through it
+    QPASS = (BM + QCAP - 1) // QCAP
+    QROWS = min(BM, QCAP)
+    QCHUNK = QROWS * CH
+    QLOADS = (QCHUNK + NTH - 1) // NTH
+    QF = KT * 4            # A fragment registers per m-tile
+    NACC = DT * 4          # O accumulators per m-tile
+    NS = NT * 4            # S accumulators per m-tile
+    QF2, NACC2, NS2 = 2 * QF, 2 * NACC, 2 * NS
+    SCRW = _mma.SCR_WORDS
+    SCRF = _mma.SCRF_WORDS
+    LOG2E = float32(_LOG2E)
+    MASK_FLOOR = float32(-1e30)
+    NEG = float32(-3e38)
+    HAS_MASK = has_mask
+    mma_bf16, ldsm_x4, ldsm_x4_t = _mma.mma_bf16, _mma.ldsm_x4, _mma.ldsm_x4_t
+    cp_async16, cp_commit, cp_wait0 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0
+    quad_max, quad_sum, pack_bf16 = _mma.quad_max, _mma.quad_sum, _mma.pack_bf16
+    assert D % 16 == 0 and BN % 16 == 0 and QCAP % RPW == 0 and NTH <= _mma.MAX_THREADS
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(sm, sbase, g, gbase, gstride, r0, L, tid, nload, nchunk):
+        if RSTEP > 0 and nchunk % NTH == 0:   # every thread: one fixed chunk column, rows tid//CH + i*RSTEP
+            trow = tid // CH
+            cc4 = (tid - trow * CH) * 4
+            sb = sbase + (trow * RW + cc4) * 4
+            for i in range(nload):
+                row = r0 + trow + i * RSTEP
+                nb = 16 if row < L else 0
+                row = min(row, L - 1)
+                cp_async16(sm, sb + i * (RSTEP * RW * 4), g, gbase + row * gstride + cc4, nb)
+        else:
+            for i in range(nload):
+                c = i * NTH + tid
+                if c < nchunk:
+                    r = c // CH
+                    cc = c - r * CH
+                    row = r0 + r
+                    nb = 16 if row < L else 0
+                    row = min(row, L - 1)
+                    cp_async16(sm, sbase + (r * RW + cc * 4) * 4, g, gbase + row * gstride + cc * 4, nb)
+
+    @cuda.jit(fastmath=True)
+    def kern(q, k, v, o, mask, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1,
+             ms0, ms1, ms2, L, H, sl2):
+        sm = cuda.shared.array(RING, int32, alignment=SMEM_ALIGN)  # K0 | K1 | V0 | V1
+        scr = cuda.shared.array(SCRW, int32)
+        scrf = cuda.shared.array(SCRF, float32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        l8 = lane % 8
+        j8 = lane // 8
+        bh = cuda.blockIdx.y
+        b = bh // H
+        h = bh - b * H
+        m0 = cuda.blockIdx.x * BM
+        sl = float32(sl2)
+        es = float32(1) if HAS_MASK else sl
+        kb = _mma.smem_base(sm)
+        qbase = b * qs0 + h * qs1
+        kbase = b * ks0 + h * ks1
+        vbase = b * vs0 + h * vs1
+        wrow = warp * RPW                  # this warp's first row in the block
+        qsel = wrow // QCAP                # the Q staging pass holding this warp's rows
+        qrow = wrow - qsel * QCAP
+        qaddr = kb + ((qrow + l8 + 8 * (j8 % 2)) * RW + 4 * (j8 // 2)) * 4
+        kaddr = kb + ((l8 + 8 * (j8 // 2)) * RW + 4 * (j8 % 2)) * 4
+        vaddr = kb + 2 * TILE * 4 + ((l8 + 8 * (j8 % 2)) * RW + 4 * (j8 // 2)) * 4
+
+        # ---- Q (BM rows) -> ring -> A fragments (2 m-tiles per warp) in registers
+        qf = cuda.local.array(QF2, int32)
+        for p in range(QPASS):
+            if p > 0:
+                cuda.syncthreads()
+            load_rows(sm, kb, q, qbase, qs2, m0 + p * QCAP, L, tid, QLOADS, QCHUNK)
+            cp_commit()
+            cp_wait0()
+            cuda.syncthreads()
+            for mi in range(2):
+                for kk in range(KT):   # every warp reads (block-uniform); keeps its own pass
+                    a0, a1, a2, a3 = ldsm_x4(sm, qaddr + (mi * 16 * RW + kk * 8) * 4, scr)
+                    if QPASS == 1 or qsel == p:
+                        qf[mi * QF + kk * 4 + 0] = a0
+                        qf[mi * QF + kk * 4 + 1] = a1
+                        qf[mi * QF + kk * 4 + 2] = a2
+                        qf[mi * QF + kk * 4 + 3] = a3
+        cuda.syncthreads()
+        load_rows(sm, kb, k, kbase, ks2, 0, L, tid, LOADS, NCHUNK)
+        load_rows(sm, kb + 2 * TILE * 4, v, vbase, vs2, 0, L, tid, LOADS, NCHUNK)
+        cp_commit()
+
+        acc = cuda.local.array(NACC2, float32)
+        for i in range(2 * NACC):
+            acc[i] = float32(0)
+        s = cuda.local.array(NS2, float32)
+        mr = cuda.local.array(4, float32)
+        lr = cuda.local.array(4, float32)
+        for r in range(4):
+            mr[r] = NEG
+            lr[r] = float32(0)
+        rowb = m0 + wrow + g               # row of (m-tile mi, half hf) = rowb + 16 mi + 8 hf
+        ntiles = (L + BN - 1) // BN
+        for j in range(ntiles):
+            n0 = j * BN
+            st = j % 2
+            cp_wait0()
+            cuda.syncthreads()          # tile j landed; every warp is done with tile j-1's stage
+            if j + 1 < ntiles:
+                load_rows(sm, kb + (1 - st) * TILE * 4, k, kbase, ks2, n0 + BN, L, tid, LOADS, NCHUNK)
+                load_rows(sm, kb + (3 - st) * TILE * 4, v, vbase, vs2, n0 + BN, L, tid, LOADS, NCHUNK)
+            cp_commit()
+            koff = st * (TILE * 4)
+            # ---- S = Q K^T (32 x BN per warp): one K fragment -> 4 mma
+            for i in range(2 * NS):
+                s[i] = float32(0)
+            for kk in range(KT):
+                for npi in range(NP):
+                    b0, b1, b2, b3 = ldsm_x4(sm, kaddr + koff + (npi * 16 * RW + kk * 8) * 4, scr)
+                    for mi in range(2):
+                        n = mi * NS + npi * 8
+                        c = mi * QF + kk * 4
+                        s[n + 0], s[n + 1], s[n + 2], s[n + 3] = mma_bf16(
+                            qf[c], qf[c + 1], qf[c + 2], qf[c + 3], b0, b1,
+                            s[n + 0], s[n + 1], s[n + 2], s[n + 3], scr)
+                        s[n + 4], s[n + 5], s[n + 6], s[n + 7] = mma_bf16(
+                            qf[c], qf[c + 1], qf[c + 2], qf[c + 3], b2, b3,
+                            s[n + 4], s[n + 5], s[n + 6], s[n + 7], scr)
+
+            # ---- online softmax (base 2), rows r = 2 mi + hf
+            if HAS_MASK:
+                for i in range(2 * NS):
+                    s[i] = s[i] * sl
+                for mi in range(2):
+                    for nt in range(NT):
+                        for e in range(4):
+                            col = n0 + nt * 8 + 2 * t + (e % 2)
+                            row = rowb + 16 * mi + 8 * (e // 2)
+                            if row < L and col < L:
+                                mv = mask[b * ms0 + h * ms1 + row * ms2 + col] * LOG2E
+                                s[mi * NS + nt * 4 + e] += max(mv, MASK_FLOOR)
+            if n0 + BN > L:
+                for i in range(2 * NS):
+                    if n0 + ((i % NS) // 4) * 8 + 2 * t + (i % 2) >= L:
+                        s[i] = NEG
+            for r in range(4):
+                mi = r // 2
+                hf = r % 2
+                x = NEG
+                for nt in range(NT):
+                    x = max(x, max(s[mi * NS + nt * 4 + 2 * hf], s[mi * NS + nt * 4 + 2 * hf + 1]))
+                x = quad_max(x, scrf)
+                x = max(x, mr[r])
+                al = _math.exp2((mr[r] - x) * es)
+                mr[r] = x
+                y = x * es
+                ps = float32(0)
+                for nt in range(NT):
+                    for e in range(2):
+                        i = mi * NS + nt * 4 + 2 * hf + e
+                        pv = _math.exp2(s[i] * es - y)
+                        s[i] = pv
+                        ps += pv
+                lr[r] = lr[r] * al + ps
+                if LAZY == 0 or al < float32(1):   # exact: al == 1 when the row max did not move
+                    for nt in range(DT):
+                        acc[mi * NACC + nt * 4 + 2 * hf] *= al
+                        acc[mi * NACC + nt * 4 + 2 * hf + 1] *= al
+
+            # ---- O += P V: one V fragment -> 4 mma
+            voff = st * (TILE * 4)
+            for kk in range(PT):
+                c = kk * 8
+                p0 = pack_bf16(s[c + 0], s[c + 1])
+                p1 = pack_bf16(s[c + 2], s[c + 3])
+                p2 = pack_bf16(s[c + 4], s[c + 5])
+                p3 = pack_bf16(s[c + 6], s[c + 7])
+                p4 = pack_bf16(s[NS + c + 0], s[NS + c + 1])
+                p5 = pack_bf16(s[NS + c + 2], s[NS + c + 3])
+                p6 = pack_bf16(s[NS + c + 4], s[NS + c + 5])
+                p7 = pack_bf16(s[NS + c + 6], s[NS + c + 7])
+                for dp in range(DP):
+                    b0, b1, b2, b3 = ldsm_x4_t(sm, vaddr + voff + (kk * 16 * RW + dp * 8) * 4, scr)
+                    n = dp * 8
+                    acc[n + 0], acc[n + 1], acc[n + 2], acc[n + 3] = mma_bf16(
+                        p0, p1, p2, p3, b0, b1, acc[n + 0], acc[n + 1], acc[n + 2], acc[n + 3], scr)
+                    acc[n + 4], acc[n + 5], acc[n + 6], acc[n + 7] = mma_bf16(
+                        p0, p1, p2, p3, b2, b3, acc[n + 4], acc[n + 5], acc[n + 6], acc[n + 7], scr)
+                    n = NACC + dp * 8
+                    acc[n + 0], acc[n + 1], acc[n + 2], acc[n + 3] = mma_bf16(
+                        p4, p5, p6, p7, b0, b1, acc[n + 0], acc[n + 1], acc[n + 2], acc[n + 3], scr)
+                    acc[n + 4], acc[n + 5], acc[n + 6], acc[n + 7] = mma_bf16(
+                        p4, p5, p6, p7, b2, b3, acc[n + 4], acc[n + 5], acc[n + 6], acc[n + 7], scr)
+
+        obase = b * os0 + h * DW + t
+        for r in range(4):
+            mi = r // 2
+            hf = r % 2
+            ls = quad_sum(lr[r], scrf)
+            inv = float32(1) / ls
+            row = rowb + 16 * mi + 8 * hf
+            if row < L:
+                for nt in range(DT):
+                    a = mi * NACC + nt * 4 + 2 * hf
+                    o[obase + row * os1 + nt * 4] = pack_bf16(acc[a] * inv, acc[a + 1] * inv)
+
+    return kern
+
+
 def _make_kernel_wg(D, has_mask, NWG=1, maxreg=None):
     """Hopper variant ``wg``: one warpgroup (4 warps, 64 query rows) per block; S = Q K^T with
     wgmma m64n64k16 (Q in registers as A fragments, K from shared memory through a descriptor),
@@ -526,12 +808,485 @@ def _make_kernel_wg(D, has_mask, NWG=1, maxreg=None):
     return kern
 
 
+def _make_kernel_wgp(D, has_mask, NWG=1, STAGES=3, maxreg=None, BN=32):
+    """Hopper variants ``wgp*``: the wg kernel (wgmma, 64 query rows per warpgroup, Q / P in
+    registers, K / V through no-swizzle descriptors) with a STAGES-deep cp.async ring of BN-key
+    K|V tiles (tile j + STAGES - 1 loads while tile j computes; one barrier per tile) -- wg's
+    single K and V buffers left every K / V load's latency exposed.  BN=32: S m64n32k16, O
+    m64n{D}k16 x 2 per tile; 16 KB per stage at D=128, 3 stages = exactly 48 KB (the simulator
+    scratch arrays are 0-size dynamic arrays on the GPU so that they take no static space)."""
+    BM = 64 * NWG
+    NTH = 128 * NWG
+    CH = D // 8
+    GB = CH * 128                 # bytes per 8-row core-matrix group
+    TB = BN * D * 2               # bytes per K (or V) tile
+    SB = 2 * TB                   # bytes per stage (K | V)
+    RINGW = STAGES * SB // 4
+    LOADS = BN * CH // NTH
+    QLOADS = BM * CH // NTH
+    KT = D // 16
+    NT = BN // 8
+    NS = NT * 4
+    DT = D // 8
+    NACC = D // 2
+    PT = BN // 16
+    PR = PT * 4
+    QF = KT * 4
+    SCRW = _mma.SCR_WORDS if _rt.SIMULATOR else 0
+    SCRF = _mma.SCRF_WORDS if _rt.SIMULATOR else 0
+    LOG2E = float32(_LOG2E)
+    MASK_FLOOR = float32(-1e30)
+    NEG = float32(-3e38)
+    HAS_MASK = has_mask
+    DK_HI = ((128 >> 4) << 16) | ((GB >> 4) << 32)   # K: LBO 128, SBO GB
+    DV_HI = ((GB >> 4) << 16) | ((128 >> 4) << 32)   # V: LBO GB, SBO 128
+    wg_qk = _mma.wgmma_op(BN, 0)
+    wg_pv = _mma.wgmma_op(D, 1)
+    wg_fence, wg_commit, wg_wait0, fence_async = _mma.wg_fence, _mma.wg_commit, _mma.wg_wait0, _mma.fence_proxy_async
+    ldsm_x4 = _mma.ldsm_x4
+    cp_async16, cp_commit, cp_wait0, cp_wait1 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0, _mma.cp_wait1
+    quad_max, quad_sum, pack_bf16 = _mma.quad_max, _mma.quad_sum, _mma.pack_bf16
+    assert (BN * CH) % NTH == 0 and (BM * CH) % NTH == 0 and D % 16 == 0 and BN % 16 == 0
+    assert STAGES in (2, 3) and BM * D * 2 <= STAGES * SB and STAGES * SB <= 48 * 1024
+
+    @cuda.jit(device=True, inline=True)
+    def load_tile(sm, sbase, g, gbase, gstride, r0, L, tid, NLOAD):
+        for i in range(NLOAD):
+            c = i * NTH + tid
+            r8 = c % 8
+            rest = c // 8
+            cc = rest % CH
+            grp = rest // CH
+            row = r0 + grp * 8 + r8
+            nb = 16 if row < L else 0
+            row = min(row, L - 1)
+            cp_async16(sm, sbase + grp * GB + cc * 128 + r8 * 16, g, gbase + row * gstride + cc * 4, nb)
+
+    JIT = {} if (maxreg is None or _rt.SIMULATOR) else {"max_registers": maxreg}
+
+    @cuda.jit(fastmath=True, **JIT)
+    def kern(q, k, v, o, mask, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1,
+             ms0, ms1, ms2, L, H, sl2):
+        sm = cuda.shared.array(RINGW, int32, alignment=SMEM_ALIGN_WG)   # STAGES x (K tile | V tile)
+        scr = cuda.shared.array(SCRW, int32)
+        scrf = cuda.shared.array(SCRF, float32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        l8 = lane % 8
+        j8 = lane // 8
+        bh = cuda.blockIdx.y
+        b = bh // H
+        h = bh - b * H
+        m0 = cuda.blockIdx.x * BM
+        sl = float32(sl2)
+        es = float32(1) if HAS_MASK else sl
+        kb = _mma.smem_base(sm)
+        qaddr = kb + (warp * 2 + j8 % 2) * GB + (j8 // 2) * 128 + l8 * 16
+        qbase = b * qs0 + h * qs1
+        kbase = b * ks0 + h * ks1
+        vbase = b * vs0 + h * vs1
+
+        load_tile(sm, kb, q, qbase, qs2, m0, L, tid, QLOADS)   # Q (BM rows) staged over the ring
+        cp_commit()
+        cp_wait0()
+        cuda.syncthreads()
+        qf = cuda.local.array(QF, int32)
+        for kk in range(KT):
+            a0, a1, a2, a3 = ldsm_x4(sm, qaddr + kk * 256, scr)
+            qf[kk * 4 + 0] = a0
+            qf[kk * 4 + 1] = a1
+            qf[kk * 4 + 2] = a2
+            qf[kk * 4 + 3] = a3
+        cuda.syncthreads()
+        ntiles = (L + BN - 1) // BN
+        for p in range(STAGES - 1):
+            if p < ntiles:
+                load_tile(sm, kb + p * SB, k, kbase, ks2, p * BN, L, tid, LOADS)
+                load_tile(sm, kb + p * SB + TB, v, vbase, vs2, p * BN, L, tid, LOADS)
+            cp_commit()
+
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = float32(0)
+        s = cuda.local.array(NS, float32)
+        pr = cuda.local.array(PR, int32)
+        mr0 = NEG
+        mr1 = NEG
+        lr0 = float32(0)
+        lr1 = float32(0)
+        row0 = m0 + warp * 16 + g
+        row1 = row0 + 8
+        for j in range(ntiles):
+            n0 = j * BN
+            st = j % STAGES
+            if STAGES == 3:
+                cp_wait1()                 # tile j landed (tile j+1 may be in flight)
+            else:
+                cp_wait0()
+            fence_async()
+            cuda.syncthreads()             # ... for every thread; stage (j-1) % STAGES is free
+            jn = j + STAGES - 1
+            if jn < ntiles:
+                sn = jn % STAGES
+                load_tile(sm, kb + sn * SB, k, kbase, ks2, jn * BN, L, tid, LOADS)
+                load_tile(sm, kb + sn * SB + TB, v, vbase, vs2, jn * BN, L, tid, LOADS)
+            cp_commit()
+            sbase = kb + st * SB
+            dk = DK_HI | (int64(sbase) >> 4)
+            dv = DV_HI | (int64(sbase + TB) >> 4)
+            # ---- S = Q K^T: 64 x BN per warpgroup
+            wg_fence()
+            for kk in range(KT):
+                wg_qk(s, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3],
+                      dk + kk * 16, kk, sm, scr)
+            wg_commit()
+            wg_wait0()
+
+            if HAS_MASK:
+                for i in range(NS):
+                    s[i] = s[i] * sl
+                for nt in range(NT):
+                    for e in range(4):
+                        col = n0 + nt * 8 + 2 * t + (e % 2)
+                        row = row0 + 8 * (e // 2)
+                        if row < L and col < L:
+                            mv = mask[b * ms0 + h * ms1 + row * ms2 + col] * LOG2E
+                            s[nt * 4 + e] += max(mv, MASK_FLOOR)
+            if n0 + BN > L:
+                for nt in range(NT):
+                    for e in range(4):
+                        if n0 + nt * 8 + 2 * t + (e % 2) >= L:
+                            s[nt * 4 + e] = NEG
+            x0 = NEG
+            x1 = NEG
+            for nt in range(NT):
+                x0 = max(x0, max(s[nt * 4 + 0], s[nt * 4 + 1]))
+                x1 = max(x1, max(s[nt * 4 + 2], s[nt * 4 + 3]))
+            x0 = quad_max(x0, scrf)
+            x1 = quad_max(x1, scrf)
+            x0 = max(x0, mr0)
+            x1 = max(x1, mr1)
+            al0 = _math.exp2((mr0 - x0) * es)
+            al1 = _math.exp2((mr1 - x1) * es)
+            mr0 = x0
+            mr1 = x1
+            y0 = x0 * es
+            y1 = x1 * es
+            ps0 = float32(0)
+            ps1 = float32(0)
+            for nt in range(NT):
+                p = _math.exp2(s[nt * 4 + 0] * es - y0)
+                s[nt * 4 + 0] = p
+                ps0 += p
+                p = _math.exp2(s[nt * 4 + 1] * es - y0)
+                s[nt * 4 + 1] = p
+                ps0 += p
+                p = _math.exp2(s[nt * 4 + 2] * es - y1)
+                s[nt * 4 + 2] = p
+                ps1 += p
+                p = _math.exp2(s[nt * 4 + 3] * es - y1)
+                s[nt * 4 + 3] = p
+                ps1 += p
+            lr0 = lr0 * al0 + ps0
+            lr1 = lr1 * al1 + ps1
+            if al0 < float32(1):            # exact: al == 1 when the row max did not move
+                for nt in range(DT):
+                    acc[nt * 4 + 0] *= al0
+                    acc[nt * 4 + 1] *= al0
+            if al1 < float32(1):
+                for nt in range(DT):
+                    acc[nt * 4 + 2] *= al1
+                    acc[nt * 4 + 3] *= al1
+            for i in range(PR):
+                pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
+
+            # ---- O += P V
+            wg_fence()
+            for kk in range(PT):
+                wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
+                      dv + kk * (2 * GB // 16), 1, sm, scr)
+            wg_commit()
+            wg_wait0()
+
+        lr0 = quad_sum(lr0, scrf)
+        lr1 = quad_sum(lr1, scrf)
+        inv0 = float32(1) / lr0
+        inv1 = float32(1) / lr1
+        obase = b * os0 + h * (D // 2) + t
+        if row0 < L:
+            for nt in range(DT):
+                o[obase + row0 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 0] * inv0, acc[nt * 4 + 1] * inv0)
+        if row1 < L:
+            for nt in range(DT):
+                o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
+
+    return kern
+
+
+def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32):
+    """Variant ``wgpp``: wgp (1 warpgroup, 32-key tiles, 3-stage ring) with FA3's intra-warpgroup
+    overlap: S(j+1) = Q K(j+1)^T and O += P(j) V(j) are issued back to back, the softmax of tile
+    j+1 runs after wgmma.wait_group 1 (S done) while P V still runs, then wait_group 0, rescale O,
+    pack P(j+1).  Ring: tile j+2 loads while tiles j (V) and j+1 (K) are read.  NWG=2
+    (``wgppx2``): two warpgroups / 128 rows share each K / V tile.  BN=64 (``wgpp64``): 32 KB per
+    stage, 96 KB ring in DYNAMIC shared memory (cuKernelSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES,
+    set by the launcher before the first launch: _dyn_launch)."""
+    STAGES = 3
+    BM = 64 * NWG
+    NTH = 128 * NWG
+    CH = D // 8
+    GB = CH * 128
+    TB = BN * D * 2
+    SB = 2 * TB
+    RINGW = STAGES * SB // 4
+    LOADS = BN * CH // NTH
+    QLOADS = BM * CH // NTH
+    KT = D // 16
+    NT = BN // 8
+    NS = NT * 4
+    DT = D // 8
+    NACC = D // 2
+    PT = BN // 16
+    PR = PT * 4
+    QF = KT * 4
+    SCRW = _mma.SCR_WORDS if _rt.SIMULATOR else 0
+    SCRF = _mma.SCRF_WORDS if _rt.SIMULATOR else 0
+    LOG2E = float32(_LOG2E)
+    MASK_FLOOR = float32(-1e30)
+    NEG = float32(-3e38)
+    HAS_MASK = has_mask
+    DK_HI = ((128 >> 4) << 16) | ((GB >> 4) << 32)
+    DV_HI = ((GB >> 4) << 16) | ((128 >> 4) << 32)
+    wg_qk = _mma.wgmma_op(BN, 0)
+    wg_pv = _mma.wgmma_op(D, 1)
+    wg_fence, wg_commit, wg_wait0, wg_wait1 = _mma.wg_fence, _mma.wg_commit, _mma.wg_wait0, _mma.wg_wait1
+    fence_async = _mma.fence_proxy_async
+    ldsm_x4 = _mma.ldsm_x4
+    cp_async16, cp_commit, cp_wait0, cp_wait1 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0, _mma.cp_wait1
+    quad_max, quad_sum, pack_bf16 = _mma.quad_max, _mma.quad_sum, _mma.pack_bf16
+    assert (BN * CH) % NTH == 0 and (BM * CH) % NTH == 0 and D % 16 == 0
+    DYN = STAGES * SB > 48 * 1024 and not _rt.SIMULATOR      # ring in dynamic shared memory
+    RINGS = 0 if DYN else RINGW
+    RALIGN = None if DYN else SMEM_ALIGN_WG
+    assert BM * D * 2 <= STAGES * SB and STAGES * SB <= 200 * 1024
+
+    @cuda.jit(device=True, inline=True)
+    def load_tile(sm, sbase, g, gbase, gstride, r0, L, tid, NLOAD):
+        for i in range(NLOAD):
+            c = i * NTH + tid
+            r8 = c % 8
+            rest = c // 8
+            cc = rest % CH
+            grp = rest // CH
+            row = r0 + grp * 8 + r8
+            nb = 16 if row < L else 0
+            row = min(row, L - 1)
+            cp_async16(sm, sbase + grp * GB + cc * 128 + r8 * 16, g, gbase + row * gstride + cc * 4, nb)
+
+    @cuda.jit(device=True, inline=True)
+    def softmax(s, st, mask, b, h, ms0, ms1, ms2, n0, row0, L, t, sl, es, scrf):
+        """st = [mr0, mr1, lr0, lr1, al0, al1]: online-softmax state; S -> P in place."""
+        if HAS_MASK:
+            for i in range(NS):
+                s[i] = s[i] * sl
+            for nt in range(NT):
+                for e in range(4):
+                    col = n0 + nt * 8 + 2 * t + (e % 2)
+                    row = row0 + 8 * (e // 2)
+                    if row < L and col < L:
+                        mv = mask[b * ms0 + h * ms1 + row * ms2 + col] * LOG2E
+                        s[nt * 4 + e] += max(mv, MASK_FLOOR)
+        if n0 + BN > L:
+            for nt in range(NT):
+                for e in range(4):
+                    if n0 + nt * 8 + 2 * t + (e % 2) >= L:
+                        s[nt * 4 + e] = NEG
+        x0 = NEG
+        x1 = NEG
+        for nt in range(NT):
+            x0 = max(x0, max(s[nt * 4 + 0], s[nt * 4 + 1]))
+            x1 = max(x1, max(s[nt * 4 + 2], s[nt * 4 + 3]))
+        x0 = max(quad_max(x0, scrf), st[0])
+        x1 = max(quad_max(x1, scrf), st[1])
+        st[4] = _math.exp2((st[0] - x0) * es)
+        st[5] = _math.exp2((st[1] - x1) * es)
+        st[0] = x0
+        st[1] = x1
+        y0 = x0 * es
+        y1 = x1 * es
+        ps0 = float32(0)
+        ps1 = float32(0)
+        for nt in range(NT):
+            p = _math.exp2(s[nt * 4 + 0] * es - y0)
+            s[nt * 4 + 0] = p
+            ps0 += p
+            p = _math.exp2(s[nt * 4 + 1] * es - y0)
+            s[nt * 4 + 1] = p
+            ps0 += p
+            p = _math.exp2(s[nt * 4 + 2] * es - y1)
+            s[nt * 4 + 2] = p
+            ps1 += p
+            p = _math.exp2(s[nt * 4 + 3] * es - y1)
+            s[nt * 4 + 3] = p
+            ps1 += p
+        st[2] = st[2] * st[4] + ps0
+        st[3] = st[3] * st[5] + ps1
+
+    JIT = {} if (maxreg is None or _rt.SIMULATOR) else {"max_registers": maxreg}
+
+    @cuda.jit(fastmath=True, **JIT)
+    def kern(q, k, v, o, mask, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1,
+             ms0, ms1, ms2, L, H, sl2):
+        sm = cuda.shared.array(RINGS, int32, alignment=RALIGN)   # 0: dynamic (DYN)
+        scr = cuda.shared.array(SCRW, int32)
+        scrf = cuda.shared.array(SCRF, float32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        l8 = lane % 8
+        j8 = lane // 8
+        bh = cuda.blockIdx.y
+        b = bh // H
+        h = bh - b * H
+        m0 = cuda.blockIdx.x * BM
+        sl = float32(sl2)
+        es = float32(1) if HAS_MASK else sl
+        kb = _mma.smem_base(sm)
+        qaddr = kb + (warp * 2 + j8 % 2) * GB + (j8 // 2) * 128 + l8 * 16
+        qbase = b * qs0 + h * qs1
+        kbase = b * ks0 + h * ks1
+        vbase = b * vs0 + h * vs1
+
+        load_tile(sm, kb, q, qbase, qs2, m0, L, tid, QLOADS)
+        cp_commit()
+        cp_wait0()
+        cuda.syncthreads()
+        qf = cuda.local.array(QF, int32)
+        for kk in range(KT):
+            a0, a1, a2, a3 = ldsm_x4(sm, qaddr + kk * 256, scr)
+            qf[kk * 4 + 0] = a0
+            qf[kk * 4 + 1] = a1
+            qf[kk * 4 + 2] = a2
+            qf[kk * 4 + 3] = a3
+        cuda.syncthreads()
+        ntiles = (L + BN - 1) // BN
+        load_tile(sm, kb, k, kbase, ks2, 0, L, tid, LOADS)
+        load_tile(sm, kb + TB, v, vbase, vs2, 0, L, tid, LOADS)
+        cp_commit()
+        if ntiles > 1:
+            load_tile(sm, kb + SB, k, kbase, ks2, BN, L, tid, LOADS)
+            load_tile(sm, kb + SB + TB, v, vbase, vs2, BN, L, tid, LOADS)
+        cp_commit()
+
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = float32(0)
+        s = cuda.local.array(NS, float32)
+        pr = cuda.local.array(PR, int32)
+        st = cuda.local.array(6, float32)
+        st[0] = NEG
+        st[1] = NEG
+        st[2] = float32(0)
+        st[3] = float32(0)
+        row0 = m0 + warp * 16 + g
+        row1 = row0 + 8
+
+        # ---- tile 0: S, softmax, P
+        cp_wait1()
+        fence_async()
+        cuda.syncthreads()
+        dk = DK_HI | (int64(kb) >> 4)
+        wg_fence()
+        for kk in range(KT):
+            wg_qk(s, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3], dk + kk * 16, kk, sm, scr)
+        wg_commit()
+        wg_wait0()
+        softmax(s, st, mask, b, h, ms0, ms1, ms2, 0, row0, L, t, sl, es, scrf)
+        for i in range(PR):
+            pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
+
+        for j in range(ntiles):
+            cp_wait0()                  # tile j+1 landed
+            fence_async()
+            cuda.syncthreads()          # every warp is past P(j-1) V(j-1): stage (j+2) % 3 is free
+            if j + 2 < ntiles:
+                sn = (j + 2) % STAGES
+                load_tile(sm, kb + sn * SB, k, kbase, ks2, (j + 2) * BN, L, tid, LOADS)
+                load_tile(sm, kb + sn * SB + TB, v, vbase, vs2, (j + 2) * BN, L, tid, LOADS)
+            cp_commit()
+            # No branches around the wgmma groups (ptxas serializes every wgmma of the kernel when
+            # it cannot count the groups): the last iteration computes a phantom S(ntiles) from a
+            # stale stage; its columns are all >= L, so they become -3e38 before the max (NaN-proof),
+            # the max does not move (al = 1) and p = 0: the state is unchanged.
+            wg_fence()
+            dk = DK_HI | (int64(kb + ((j + 1) % STAGES) * SB) >> 4)
+            for kk in range(KT):
+                wg_qk(s, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3],
+                      dk + kk * 16, kk, sm, scr)
+            wg_commit()
+            dv = DV_HI | (int64(kb + (j % STAGES) * SB + TB) >> 4)
+            for kk in range(PT):
+                wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
+                      dv + kk * (2 * GB // 16), 1, sm, scr)
+            wg_commit()
+            wg_wait1()                  # S(j+1) done; P(j) V(j) may still run
+            softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, sl, es, scrf)
+            wg_wait0()
+            al0 = st[4]
+            al1 = st[5]
+            if al0 < float32(1):
+                for nt in range(DT):
+                    acc[nt * 4 + 0] *= al0
+                    acc[nt * 4 + 1] *= al0
+            if al1 < float32(1):
+                for nt in range(DT):
+                    acc[nt * 4 + 2] *= al1
+                    acc[nt * 4 + 3] *= al1
+            for i in range(PR):
+                pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
+
+        lr0 = quad_sum(st[2], scrf)
+        lr1 = quad_sum(st[3], scrf)
+        inv0 = float32(1) / lr0
+        inv1 = float32(1) / lr1
+        obase = b * os0 + h * (D // 2) + t
+        if row0 < L:
+            for nt in range(DT):
+                o[obase + row0 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 0] * inv0, acc[nt * 4 + 1] * inv0)
+        if row1 < L:
+            for nt in range(DT):
+                o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
+
+    kern.dyn_smem = STAGES * SB if DYN else 0
+    return kern
+
+
 # Tiling variants of the bf16 kernel: warps per block (16 query rows each) x 64-token KV tiles.
 # FLUX_ATTN_TILE=4w (64 x 64, default) or 8w (128 x 64, K/V tile shared by 8 warps); set_variant()
 # switches at run time (the GPU bench compares both in one process).
 # wg / wg2: Hopper wgmma kernel with 1 / 2 warpgroups per block (sm_90 only, else falls back to 4w)
 # wgr: wg capped at 168 registers (3 blocks / SM instead of 2; ptxas spills ~300 B)
-VARIANTS = {"4w": 4, "8w": 8, "wg": "wg", "wg2": "wg2", "wgr": "wgr"}
+# w32 / w32x2 / w32x8: 32 query rows per warp (_make_kernel32), 4 / 2 / 8 warps per block;
+# w32n32 / w32n16: w32 with 32- / 16-key tiles at every head dim (w32: 64 at D <= 64, else 32;
+# n16 needs fewer registers, but a barrier per 16 keys); w32e: w32 rescaling O
+# on every tile (the others skip the rescale of a row whose running max did not move).
+_W32 = {"w32": (4, None), "w32x2": (2, None), "w32x8": (8, None), "w32n32": (4, 32), "w32n16": (4, 16),
+        "w32e": (4, None, 0)}
+# wgp / wgp2 / wgpx2 / wgpr: wgmma kernel with a cp.async ring of 32-key tiles (_make_kernel_wgp):
+# (warpgroups, ring stages, register cap: wgpr 168 = 3 blocks / SM); wgpp / wgppr / wgppx2 / wgpp64:
+# _make_kernel_wgpp (softmax overlapped with P V; wgpp64: 64-key tiles, 96 KB of dynamic shared
+# memory).  Hopper and (on the GPU) head dim 128 only like wg, else 4w.
+# Default: the "4w" in `_variant = os.environ.get("FLUX_ATTN_TILE", "4w")` below (e.g. "wgpp64" or
+# "w32"); other GPUs / head dims then fall back as described.
+_WGP = {"wgp": (1, 3), "wgp2": (1, 2), "wgpx2": (2, 3), "wgpr": (1, 3, 168), "wgpp": (1, 3),
+        "wgppr": (1, 3, 168), "wgppx2": (2, 3), "wgpp64": (1, 3)}
+VARIANTS = {"4w": 4, "8w": 8, "wg": "wg", "wg2": "wg2", "wgr": "wgr", **{n: n for n in _W32},
+            **{n: n for n in _WGP}}
 _variant = os.environ.get("FLUX_ATTN_TILE", "4w")
 if _variant not in VARIANTS:
     _variant = "4w"
@@ -546,6 +1301,10 @@ def set_variant(name):
 
 def _warps(D, dev=None):
     nw = VARIANTS[_variant]
+    if nw in _W32:
+        return nw
+    if nw in _WGP:
+        return nw if _wg_ok(D, dev) and (32 * (D // 8)) % (128 * _WGP[nw][0]) == 0 else 4
     if nw in ("wg", "wg2", "wgr"):
         return nw if _wg_ok(D, dev) and (64 * (D // 8)) % (256 if nw == "wg2" else 128) == 0 else 4
     return nw if (64 * (D // 8)) % (32 * nw) == 0 else 4  # 8 warps need D >= 32
@@ -573,6 +1332,13 @@ def _hopper(dev):
 def _kernel(D, has_mask, nw=4):
     key = (D, bool(has_mask), nw)
     kern = _kernels.get(key)
+    if kern is None and nw in _W32:
+        kern = _kernels[key] = _make_kernel32(D, bool(has_mask), *_W32[nw])
+    if kern is None and nw in ("wgpp", "wgppr", "wgppx2", "wgpp64"):
+        kern = _kernels[key] = _make_kernel_wgpp(D, bool(has_mask), 168 if nw == "wgppr" else None,
+                                                 2 if nw == "wgppx2" else 1, 64 if nw == "wgpp64" else 32)
+    if kern is None and nw in _WGP:
+        kern = _kernels[key] = _make_kernel_wgp(D, bool(has_mask), *_WGP[nw])
     if kern is None:
         kern = _kernels[key] = (_make_kernel_wg(D, bool(has_mask), 2 if nw == "wg2" else 1,
                                                 168 if nw == "wgr" else None)
@@ -657,6 +1423,23 @@ def check(q, k, v, mask=None, out=None):
     return None
 
 
+_dyn_done = set()
+
+
+def _dyn_optin(kern, args, nbytes, dev):
+    """CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = nbytes on the overload these args select
+    (numba-cuda has no API for it; issue #94).  Compiles that overload now (the launch reuses it)."""
+    key = (id(kern), str(dev))
+    if key in _dyn_done:
+        return
+    from numba.cuda.cudadrv import driver as _drv
+    k = kern.compile(tuple(kern.typeof_pyval(a) for a in args))
+    cufunc = k._codelibrary.get_cufunc()
+    attr = _drv.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    _drv.driver.cuKernelSetAttribute(attr, int(nbytes), cufunc.handle, cufunc.device.id)
+    _dyn_done.add(key)
+
+
 def numba_attention(q, k, v, mask=None, out=None):
     B, H, L, D = q.shape
     q, k, v = [x if _cp_ok(x) else x.contiguous() for x in (q, k, v)]
@@ -673,17 +1456,29 @@ def numba_attention(q, k, v, mask=None, out=None):
             marr = _dummy_mask[q.device] = _f32_1d(torch.zeros(1, dtype=torch.float32, device=q.device))
     nw = _warps(D, q.device)
     kern = _kernel(D, mask is not None, nw)
-    nth = {"wg": 128, "wgr": 128, "wg2": 256}.get(nw) or 32 * nw
-    rows = {"wg": 64, "wgr": 64, "wg2": 128}.get(nw) or 16 * nw
+    if nw in _W32:
+        nth = 32 * _W32[nw][0]
+        rows = 32 * _W32[nw][0]
+    elif nw in _WGP:
+        nth = 128 * _WGP[nw][0]
+        rows = 64 * _WGP[nw][0]
+    else:
+        nth = {"wg": 128, "wgr": 128, "wg2": 256}.get(nw) or 32 * nw
+        rows = {"wg": 64, "wgr": 64, "wg2": 128}.get(nw) or 16 * nw
     grid = ((L + rows - 1) // rows, B * H)
     sl2 = _LOG2E / _math.sqrt(D)
-    kern[grid, nth, _rt.stream()](
-        _words(q), _words(k), _words(v), _words(dst), marr,
-        q.stride(0) // 2, q.stride(1) // 2, q.stride(2) // 2,
-        k.stride(0) // 2, k.stride(1) // 2, k.stride(2) // 2,
-        v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
-        dst.stride(0) // 2, dst.stride(1) // 2,
-        mst[0], mst[1], mst[2], L, H, sl2)
+    args = (_words(q), _words(k), _words(v), _words(dst), marr,
+            q.stride(0) // 2, q.stride(1) // 2, q.stride(2) // 2,
+            k.stride(0) // 2, k.stride(1) // 2, k.stride(2) // 2,
+            v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
+            dst.stride(0) // 2, dst.stride(1) // 2,
+            mst[0], mst[1], mst[2], L, H, sl2)
+    dyn = getattr(kern, "dyn_smem", 0)
+    if dyn:   # > 48 KB of dynamic shared memory: opt the compiled kernel in once per device
+        _dyn_optin(kern, args, dyn, q.device)
+        kern[grid, nth, _rt.stream(), dyn](*args)
+    else:
+        kern[grid, nth, _rt.stream()](*args)
     if out is not None and dst is not out:
         out.copy_(dst)
         return out
@@ -712,8 +1507,14 @@ _PREPASS = os.environ.get("FLUX_ATTN_8BIT_PREPASS", "numba")  # or "torch" (quan
 _KMEAN_SAMPLES = 64
 
 
-def _make_kernel8(D, has_mask):
+def _make_kernel8(D, has_mask, per_tok=False):
+    """per_tok: qsc / ksc are per-token scales [B*H*Lp] (qk_norm_rope's Quant8): K's of a tile are
+    staged in shared memory with the K tile (double-buffered), S' = int32 * k_scale[col] and the
+    row scale rides in the exp2 argument: exp2(S' * qr - max' * qr) (one FFMA, as many FMULs as the
+    per-block path).  Else Q per 16 rows / K per 64-token tile (the pre-pass's scales)."""
     BM, BN, NW = _BM, _BN, _NW
+    PER_TOK = per_tok
+    KSW = 2 * BN if per_tok else 4
     NTH = NW * 32
     RW8 = D // 4 + 4       # padded int8 row (words)
     CH8 = D // 16          # 16-byte chunks per int8 row
@@ -769,6 +1570,7 @@ def _make_kernel8(D, has_mask):
     def kern(q, k, v, qsc, ksc, o, mask, vs0, vs1, vs2, os0, os1, ms0, ms1, ms2, L, Lp, H, sl2):
         sK = cuda.shared.array(T8, int32, alignment=SMEM_ALIGN)
         sV = cuda.shared.array(TV, int32, alignment=SMEM_ALIGN)
+        sKS = cuda.shared.array(KSW, float32, alignment=SMEM_ALIGN)
         scr = cuda.shared.array(SCRW, int32)
         scrf = cuda.shared.array(SCRF, float32)
         tid = cuda.threadIdx.x
@@ -785,13 +1587,25 @@ def _make_kernel8(D, has_mask):
         sl = float32(sl2)
         kb = _mma.smem_base(sK)
         vb = _mma.smem_base(sV)
+        ksb = _mma.smem_base(sKS)
         qaddr = kb + ((warp * 16 + l8 + 8 * (j8 % 2)) * RW8 + 4 * (j8 // 2)) * 4
         kaddr = kb + ((l8 + 8 * (j8 // 2)) * RW8 + 4 * (j8 % 2)) * 4
         vaddr = vb + ((l8 + 8 * (j8 % 2)) * RW + 4 * (j8 // 2)) * 4
         base8 = bh * Lp * (D // 4)
         vbase = b * vs0 + h * vs1
         nkt = Lp // BN
-        qscale = qsc[bh * (Lp // 16) + (m0 // 16) + warp] * sl
+        if PER_TOK:  # exp2 multipliers of rows g, g + 8 (the per-block path: 1, folded in qscale)
+            qscale = float32(0)
+            mq0 = qsc[bh * Lp + m0 + warp * 16 + g] * sl
+            mq1 = qsc[bh * Lp + m0 + warp * 16 + g + 8] * sl
+            iq0 = float32(1) / mq0
+            iq1 = float32(1) / mq1
+        else:
+            qscale = qsc[bh * (Lp // 16) + (m0 // 16) + warp] * sl
+            mq0 = float32(1)
+            mq1 = float32(1)
+            iq0 = float32(1)
+            iq1 = float32(1)
 
         load8(kb, sK, q, base8, m0, tid)
         cp_commit()
@@ -806,6 +1620,8 @@ def _make_kernel8(D, has_mask):
             qf[kk * 4 + 3] = a3
         cuda.syncthreads()
         load8(kb, sK, k, base8, 0, tid)
+        if PER_TOK and tid < BN // 4:  # the tile's 64 K scales (buffer 0)
+            cp_async16(sKS, ksb + tid * 16, ksc, bh * Lp + tid * 4, 16)
         cp_commit()
 
         acc = cuda.local.array(NACC, float32)
@@ -841,11 +1657,23 @@ def _make_kernel8(D, has_mask):
             cuda.syncthreads()
             if j + 1 < ntiles:
                 load8(kb, sK, k, base8, n0 + BN, tid)
+                if PER_TOK and tid < BN // 4:  # K scales of tile j + 1 -> buffer (j + 1) % 2
+                    cp_async16(sKS, ksb + (((j + 1) % 2) * BN + tid * 4) * 4, ksc, bh * Lp + n0 + BN + tid * 4, 16)
             cp_commit()
 
-            f = qscale * ksc[bh * nkt + j]
-            for i in range(NS):
-                s[i] = float32(si[i]) * f
+            if PER_TOK:  # S' = S / row scale: int32 x k_scale[col]
+                kso = (j % 2) * BN + 2 * t
+                for nt in range(NT):
+                    kc0 = sKS[kso + nt * 8]
+                    kc1 = sKS[kso + nt * 8 + 1]
+                    s[nt * 4 + 0] = float32(si[nt * 4 + 0]) * kc0
+                    s[nt * 4 + 1] = float32(si[nt * 4 + 1]) * kc1
+                    s[nt * 4 + 2] = float32(si[nt * 4 + 2]) * kc0
+                    s[nt * 4 + 3] = float32(si[nt * 4 + 3]) * kc1
+            else:
+                f = qscale * ksc[bh * nkt + j]
+                for i in range(NS):
+                    s[i] = float32(si[i]) * f
             if HAS_MASK:
                 for nt in range(NT):
                     for e in range(4):
@@ -853,7 +1681,10 @@ def _make_kernel8(D, has_mask):
                         row = row0 + 8 * (e // 2)
                         if row < L and col < L:
                             mv = mask[b * ms0 + h * ms1 + row * ms2 + col] * LOG2E
-                            s[nt * 4 + e] += max(mv, MASK_FLOOR)
+                            if PER_TOK:
+                                s[nt * 4 + e] += max(mv * (iq0 if e < 2 else iq1), MASK_FLOOR)
+                            else:
+                                s[nt * 4 + e] += max(mv, MASK_FLOOR)
             if n0 + BN > L:
                 for nt in range(NT):
                     for e in range(4):
@@ -868,23 +1699,25 @@ def _make_kernel8(D, has_mask):
             x1 = quad_max(x1, scrf)
             x0 = max(x0, mr0)
             x1 = max(x1, mr1)
-            al0 = _math.exp2(mr0 - x0)
-            al1 = _math.exp2(mr1 - x1)
+            al0 = _math.exp2((mr0 - x0) * mq0)
+            al1 = _math.exp2((mr1 - x1) * mq1)
             mr0 = x0
             mr1 = x1
+            nx0 = -x0 * mq0
+            nx1 = -x1 * mq1
             ps0 = float32(0)
             ps1 = float32(0)
             for nt in range(NT):
-                p = _math.exp2(s[nt * 4 + 0] - x0)
+                p = _math.exp2(s[nt * 4 + 0] * mq0 + nx0)
                 s[nt * 4 + 0] = p
                 ps0 += p
-                p = _math.exp2(s[nt * 4 + 1] - x0)
+                p = _math.exp2(s[nt * 4 + 1] * mq0 + nx0)
                 s[nt * 4 + 1] = p
                 ps0 += p
-                p = _math.exp2(s[nt * 4 + 2] - x1)
+                p = _math.exp2(s[nt * 4 + 2] * mq1 + nx1)
                 s[nt * 4 + 2] = p
                 ps1 += p
-                p = _math.exp2(s[nt * 4 + 3] - x1)
+                p = _math.exp2(s[nt * 4 + 3] * mq1 + nx1)
                 s[nt * 4 + 3] = p
                 ps1 += p
             lr0 = lr0 * al0 + ps0
@@ -1157,13 +1990,46 @@ def set_variant8(name):
     _variant8 = name
 
 
-def _kernel8(D, has_mask, wg=None):
-    key = (D, bool(has_mask), wg)
+def _kernel8(D, has_mask, wg=None, per_tok=False):
+    key = (D, bool(has_mask), wg, bool(per_tok))
     kern = _kernels8.get(key)
     if kern is None:
         kern = _kernels8[key] = (_make_kernel8_wg(D, bool(has_mask), 168 if wg == "wgr" else None) if wg
-                                 else _make_kernel8(D, bool(has_mask)))
+                                 else _make_kernel8(D, bool(has_mask), bool(per_tok)))
     return kern
+
+
+# ---- handoff from qk_norm_rope(quant8=True): its Quant8 (int8 Q/K + per-token scales, made in the
+# same pass as the bf16 q/k) replaces the pre-pass.  Scoped and validated: flux_core.blocks wraps
+# exactly one attention call in ``prequantized(pack)``; numba-8bit takes the pack only when the call's
+# q and k ARE the tensors the pack was made from (object identity) with matching shapes; any other
+# backend (torch / SDPA, bf16 numba, ComfyUI's attention) never looks at it.  No op signature changes.
+import contextlib as _contextlib
+import threading as _threading
+
+_q8_local = _threading.local()
+
+
+@_contextlib.contextmanager
+def prequantized(pack):
+    """Offer ``pack`` (a qk_norm_rope Quant8, or None) to the numba-8bit attention calls inside."""
+    prev = getattr(_q8_local, "pack", None)
+    _q8_local.pack = pack
+    try:
+        yield
+    finally:
+        _q8_local.pack = prev
+
+
+def _pending_pack(q, k):
+    pk = getattr(_q8_local, "pack", None)
+    if pk is None or pk.q is not q or pk.k is not k:
+        return None
+    B, H, L, D = q.shape
+    if k.shape != q.shape or tuple(pk.q8.shape) != (B, H, pk.Lp, D) or pk.Lp < L or pk.Lp % _BN \
+            or pk.q8.device != q.device or pk.qs.numel() != B * H * pk.Lp:
+        return None
+    return pk
 
 
 def _kmean_index(L):
@@ -1436,11 +2302,18 @@ def _words_ok(x):
 
 def numba_attention_8bit(q, k, v, mask=None, out=None):
     B, H, L, D = q.shape
+    pk = _pending_pack(q, k)
     if not all(_words_ok(x) for x in (q, k)):
         q, k = q.contiguous(), k.contiguous()
     if not _cp_ok(v):
         v = v.contiguous()
-    if _PREPASS == "numba":
+    if pk is not None:  # fused: qk_norm_rope already wrote int8 Q/K + per-token scales
+        Lp = pk.Lp
+        arrs = pk.views.get("attn8")
+        if arrs is None:  # numba views cached with the (scratch) buffers
+            arrs = pk.views["attn8"] = (_arr(pk.q8), _arr(pk.k8), _c_arr(pk.qs), _c_arr(pk.ks))
+        q8a, k8a, qsa, ksa = arrs
+    elif _PREPASS == "numba":
         ent, Lp = _prepass(q, k)
         q8a, k8a, qsa, ksa = ent[6], ent[7], ent[8], ent[9]
     else:
@@ -1457,8 +2330,8 @@ def numba_attention_8bit(q, k, v, mask=None, out=None):
         marr = _dummy_mask.get(q.device)
         if marr is None:
             marr = _dummy_mask[q.device] = _f32_1d(torch.zeros(1, dtype=torch.float32, device=q.device))
-    wg = _variant8 if (_variant8 != "mma" and _wg_ok(D, q.device)) else None
-    kern = _kernel8(D, mask is not None, wg)
+    wg = _variant8 if (pk is None and _variant8 != "mma" and _wg_ok(D, q.device)) else None
+    kern = _kernel8(D, mask is not None, wg, pk is not None)
     grid = ((L + _BM - 1) // _BM, B * H)
     kern[grid, _NW * 32, _rt.stream()](
         q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,

@@ -621,3 +621,17 @@ else:
     @cuda.jit(device=True)
     def fence_proxy_async():
         pass
+
+
+# ---- wgmma.wait_group 1 (added for the pipelined bf16 kernel ``wgpp``: wait for all but the
+# newest committed wgmma group, e.g. S(j+1) done while P(j) V(j) still runs)
+if not SIMULATOR:
+    _wg_wait1 = _asm_void("wgmma.wait_group.sync.aligned 1;")
+
+    @cuda.jit(device=True, inline=True)
+    def wg_wait1():
+        _wg_wait1()
+else:
+    @cuda.jit(device=True)
+    def wg_wait1():
+        pass

@@ -8,6 +8,9 @@
   out:   q, k, v as [B, H, sum(L_i), D] tensors in qkv's dtype (the numba backend returns views in
          [B, L, H, D] memory order, the torch reference contiguous ones); q and k normalised
          and rotated, v copied.  This replaces view/permute/RMSNorm/cat/RoPE of stock ComfyUI.
+  quant8=True: returns (q, k, v, pack) -- pack is a ``Quant8`` (int8 Q/K + per-token scales for the
+         numba-8bit attention, made in the same pass; see the section "8-bit attention prologue")
+         or None (torch reference, or a layout the kernel does not quantize).
 
 Numba backend ("numba", bf16 qkv, 1 or 2 parts, D in {4, 8, 16, 32, 64, 128}, every qkv row
 8-byte aligned -- else declined by check): grid (tokens, B, head chunks), blocks of <= 128
@@ -27,6 +30,7 @@ Bytes per call at FLUX 1024^2 (H*D = 3072, B = 1, 4608 tokens), floor at 3.7 TB/
   view/permute/rms_norm/cat/rope copies.)
 """
 import functools
+import math
 
 import numpy as np
 import torch
@@ -52,7 +56,11 @@ def apply_rope1(x, pe):
     return x_out.reshape(*x.shape).type_as(x)
 
 
-def reference(parts, pe, num_heads: int, eps: float = 1e-6):
+def reference(parts, pe, num_heads: int, eps: float = 1e-6, quant8: bool = False):
+    """quant8=True: returns (q, k, v, None) -- the reference makes no int8 copy (numba-8bit attention
+    then quantizes with its own pre-pass)."""
+    if quant8:
+        return (*reference(parts, pe, num_heads, eps), None)
     qs, ks, vs = [], [], []
     for qkv, q_scale, k_scale in parts:
         B, L, _ = qkv.shape
@@ -247,14 +255,18 @@ def _ptx_cases():
     A = lambda dt, nd: nt.Array(dt, nd, "A")  # noqa: E731
     sig = (A(nt.int64, 3), A(nt.int64, 3), A(nt.int64, 3), A(nt.int64, 3), A(nt.int64, 5),
            nt.int64, nt.int64, nt.float32)
+    sig_q = sig[:5] + (A(nt.int64, 5), A(nt.float32, 4), A(nt.float32, 3), nt.int64, nt.int64, nt.float32)
+    sig_m = sig[:4] + (A(nt.float32, 3), nt.int64, nt.int64, nt.int64, nt.int64, nt.float32)
     return {"qk_norm_rope w2": lambda: (make_qk_kernel(2), sig),
-            "qk_norm_rope w1": lambda: (make_qk_kernel(1), sig)}
+            "qk_norm_rope w1": lambda: (make_qk_kernel(1), sig),
+            "qk_norm_rope q8": lambda: (make_qk_kernel_q(), sig_q),
+            "qk kmean": lambda: (make_kmean_kernel(), sig_m)}
 
 
 PTX_CASES = _ptx_cases()
 
 
-def check(parts, pe, num_heads: int, eps: float = 1e-6):
+def check(parts, pe, num_heads: int, eps: float = 1e-6, quant8: bool = False):
     if not isinstance(parts, (list, tuple)) or not 1 <= len(parts) <= 2:
         return "numba qk_norm_rope takes 1 or 2 parts"
     qkv0 = parts[0][0]
@@ -325,7 +337,405 @@ def _pe_arr(pe, D, device):
     return w.view(torch.int64)
 
 
-def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6):
+# ----------------------------------------------------------------------------- 8-bit attention prologue
+# ``quant8=True`` (flux_core.blocks asks for it only when the attention op is forced to numba-8bit):
+# the SAME pass over qkv also writes what numba-8bit attention consumes, so it skips its pre-pass:
+#   q8, k8  int8 [B, H, Lp, D] (Lp = L rounded up to 64; pad rows written as zeros),
+#   qs, ks  fp32 [B, H, Lp] per-(token, head) absmax/127 scales (the 16-lane group holds the whole
+#           row: the absmax is a group shuffle max; pad tokens get 1e-20/127),
+#   Q quantized from the bf16-rounded q this op returns; K from (bf16-rounded k - kmean[b, h]) where
+#   kmean = mean of k over the tokens kmean_index(L) (64 evenly spaced; any per-head vector is exact
+#   for softmax, the mean just centres K's channel bias so int8 keeps its precision).
+# kmean comes from a tiny launch BEFORE the main one (one block per (b, h), one 16-lane group per
+# sampled token: RMSNorm + RoPE of just those 64 k rows, then a fixed-order sum: deterministic).
+# Bytes at FLUX 1024^2 on top of the plain pass (174.6 MB): int8 q/k 28.3 MB + scales 0.9 MB
+# (+ kmean: 64 x 24 k rows = 0.4 MB) = +29.6 MB -> +8 us at 3.7 TB/s; numba-8bit's pre-pass
+# (85 MB, measured 0.40 ms) is gone.  Only VW == 2 (16-byte rows; always true for FLUX) and
+# D in QUANT_DIMS; otherwise the pack is None and attention falls back to its pre-pass.
+QUANT_DIMS = (32, 64, 128)
+KMEAN_SAMPLES = 64
+KM_SMEM = KMEAN_SAMPLES * 128  # floats: one row per sampled token
+
+
+def kmean_index(L):
+    """Token indices of K's smoothing mean: 64 evenly spaced tokens (all when L <= 64)."""
+    S = min(L, KMEAN_SAMPLES)
+    return [(i * L) // S for i in range(S)]
+
+
+class Quant8:
+    """int8 Q/K + per-(token, head) scales for numba-8bit attention, made from exactly ``q`` and ``k``
+    (attention takes it only for those very tensor objects, see attention.prequantized).
+    q8/k8 int8 [B, H, Lp, D]; qs/ks fp32 [B*H*Lp]; kmean fp32 [B, H, D].  The buffers are scratch
+    cached per shape and stream: the next call with that shape overwrites them (stream order keeps
+    a consumer launched before that safe)."""
+    __slots__ = ("q", "k", "q8", "k8", "qs", "ks", "kmean", "Lp", "views")
+
+    def __init__(self, q, k, q8, k8, qs, ks, kmean, Lp, views):
+        self.q, self.k, self.q8, self.k8, self.qs, self.ks = q, k, q8, k8, qs, ks
+        self.kmean, self.Lp, self.views = kmean, Lp, views
+
+
+def quant8_reference(q, k):
+    """Torch reference of the quantization (from the bf16 q, k this op returns): (q8, k8, qs, ks, Lp,
+    kmean) laid out like Quant8 (pad rows zero, pad scales 1e-20/127)."""
+    B, H, L, D = q.shape
+    Lp = -(-L // 64) * 64
+    kf = k.float()
+    kmean = kf[:, :, kmean_index(L)].mean(dim=2)
+
+    def qz(x):
+        m = x.abs().amax(-1, keepdim=True).clamp_min(1e-20)
+        y = torch.floor(x * (127.0 / m) + 0.5).clamp_(-127, 127).to(torch.int8)
+        y = torch.nn.functional.pad(y, (0, 0, 0, Lp - L))
+        sc = torch.nn.functional.pad(m[..., 0] / 127.0, (0, Lp - L), value=1e-20 / 127.0)
+        return y, sc.reshape(-1)
+
+    q8, qs = qz(q.float())
+    k8, ks = qz(kf - kmean[:, :, None])
+    return q8, k8, qs, ks, Lp, kmean
+
+
+if ik.SIMULATOR:
+    @cuda.jit(device=True)
+    def group_max(v, g, smem):
+        tid = cuda.threadIdx.x
+        smem[tid] = v
+        cuda.syncthreads()
+        base = tid - tid % g
+        s = smem[base]
+        for i in range(1, g):
+            s = max(s, smem[base + i])
+        cuda.syncthreads()
+        return s
+elif ik.NUMBA_OK:
+    @cuda.jit(device=True, forceinline=True)
+    def group_max(v, g, smem):
+        off = g >> 1
+        while off > 0:
+            v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, off))
+            off >>= 1
+        return v
+else:  # pragma: no cover
+    group_max = None
+
+
+def _quant_helpers():
+    """(pack8,): 8 fp32 * inv -> 8 int8 (round half up, clamp +-127) in one int64 word."""
+    wrap = ik.wrap_i64
+
+    @cuda.jit(device=True, inline=True)
+    def q1(x, inv):
+        y = int64(math.floor(x * inv + float32(0.5)))
+        return min(max(y, -127), 127) & 0xFF
+
+    @cuda.jit(device=True, inline=True)
+    def pack8(a, base, inv):
+        w = int64(0)
+        for e in range(8):
+            w |= q1(a[base + e], inv) << (8 * e)
+        return wrap(w)
+
+    return pack8
+
+
+def make_kmean_kernel():
+    """kmean f32 [B, H, D] = mean over tokens kmean_index(Ltot) of the bf16-rounded normalised +
+    rotated k.  Grid-strides (h, b) over blocks; a block = NG groups of G = D/8 lanes (16-byte words),
+    group g does sampled tokens g, g + NG, ... (uniform trip count), rows go to shared memory, then
+    thread d < D sums column d in token order."""
+    RED = ik.RED_SMEM
+    KS = KM_SMEM
+
+    def kmean_kernel(qkv0, qkv1, scales, pe, kmean, L0, Ltot, S, has_pe, eps):
+        smem = cuda.shared.array(RED, float32)
+        rows = cuda.shared.array(KS, float32)
+        wk = cuda.local.array(2, int64)
+        c = cuda.local.array(8, float32)
+        f = cuda.local.array(4, float32)
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        B = kmean.shape[0]
+        H = kmean.shape[1]
+        D = kmean.shape[2]
+        Dw = D // 4
+        G = D // 8
+        lg = 0
+        while (1 << lg) < G:
+            lg += 1
+        g = tid >> lg
+        w = tid & (G - 1)
+        NG = nt >> lg
+        wo = 2 * w
+        inv_d = float32(1) / float32(D)
+        Bp = pe.shape[0]
+        iters = (S + NG - 1) // NG
+        b = cuda.blockIdx.y
+        while b < B:
+            pb = b
+            if pb >= Bp:
+                pb = Bp - 1
+            h = cuda.blockIdx.x
+            while h < H:
+                for it in range(iters):
+                    i = g + it * NG
+                    ok = i < S and g < NG
+                    t = 0
+                    if ok:
+                        t = (i * Ltot) // S
+                    p = 0
+                    tl = t
+                    if t >= L0:
+                        p = 1
+                        tl = t - L0
+                    if p == 0:
+                        row = qkv0[b, tl]
+                    else:
+                        row = qkv1[b, tl]
+                    if ok:
+                        t2 = ld2(row, (H + h) * Dw + wo)
+                        wk[0] = t2[0]
+                        wk[1] = t2[1]
+                    else:
+                        wk[0] = int64(0)
+                        wk[1] = int64(0)
+                    unpack_w(wk[0], c, 0, 4)
+                    unpack_w(wk[1], c, 4, 4)
+                    s_k = float32(0)
+                    for e in range(8):
+                        s_k += c[e] * c[e]
+                    s_k = group_sum(s_k, G, smem)
+                    if ok:
+                        rk = rsqrt(s_k * inv_d + eps)
+                        skr = scales[p, 1]
+                        for u in range(2):
+                            t2 = ld2(skr, 2 * wo + 2 * u)
+                            f[0], f[1] = unpack_f32x2(t2[0])
+                            f[2], f[3] = unpack_f32x2(t2[1])
+                            for e in range(4):
+                                c[4 * u + e] *= rk * f[e]
+                        if has_pe:
+                            per = pe[pb, t]
+                            for j in range(4):
+                                t2 = ld2(per, 4 * wo + 2 * j)
+                                f[0], f[1] = unpack_f32x2(t2[0])
+                                f[2], f[3] = unpack_f32x2(t2[1])
+                                x0 = c[2 * j]
+                                x1 = c[2 * j + 1]
+                                c[2 * j] = f[0] * x0 + f[1] * x1
+                                c[2 * j + 1] = f[2] * x0 + f[3] * x1
+                        for u in range(2):  # the bf16 value qk_norm_rope writes
+                            wk[u] = pack4(c[4 * u], c[4 * u + 1], c[4 * u + 2], c[4 * u + 3])
+                            unpack_w(wk[u], c, 4 * u, 4)
+                        for e in range(8):
+                            rows[i * D + 8 * w + e] = c[e]
+                cuda.syncthreads()
+                d = tid
+                while d < D:
+                    acc = float32(0)
+                    for i in range(S):
+                        acc += rows[i * D + d]
+                    kmean[b, h, d] = acc / float32(S)
+                    d += nt
+                cuda.syncthreads()
+                h += cuda.gridDim.x
+            b += cuda.gridDim.y
+
+    return ik.jit_kernel(kmean_kernel, launch_bounds=(1024, 1))
+
+
+def make_qk_kernel_q():
+    """qk_kernel (VW = 2) plus the int8 outputs: q8 int64 [2, B, H, Lp, D/8] (8 int8 per word; lane
+    w owns word w), qsc f32 [2, B, H, Lp], kmean f32 [B, H, D].  Grid x strides over Lp tokens
+    (tokens >= Ltot: zero int8 rows, no bf16 stores, no loads)."""
+    RED = ik.RED_SMEM
+    VW = 2
+    NE = 8
+    pack8 = _quant_helpers()
+    TINY = float32(1e-20)
+
+    def qk_kernel_q(qkv0, qkv1, scales, pe, out, q8, qsc, kmean, L0, has_pe, eps):
+        smem = cuda.shared.array(RED, float32)
+        wq = cuda.local.array(VW, int64)
+        wk = cuda.local.array(VW, int64)
+        a = cuda.local.array(NE, float32)
+        c = cuda.local.array(NE, float32)
+        f = cuda.local.array(4, float32)
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        B = out.shape[1]
+        H = out.shape[2]
+        Ltot = out.shape[3]
+        Dw = out.shape[4]
+        Lp = q8.shape[3]
+        lg = 0
+        while (1 << lg) < Dw:
+            lg += 1
+        lg -= 1
+        G = 1 << lg
+        g = tid >> lg
+        w = tid & (G - 1)
+        NG = nt >> lg
+        inv_d = float32(1) / float32(Dw * 4)
+        Bp = pe.shape[0]
+        wo = w * VW
+        b = cuda.blockIdx.y
+        while b < B:
+            pb = b
+            if pb >= Bp:
+                pb = Bp - 1
+            t = cuda.blockIdx.x
+            while t < Lp:
+                tok = t < Ltot
+                p = 0
+                tl = t
+                if t >= L0:
+                    p = 1
+                    tl = t - L0
+                if not tok:
+                    p = 0
+                    tl = 0
+                if p == 0:
+                    row = qkv0[b, tl]
+                else:
+                    row = qkv1[b, tl]
+                h0 = cuda.blockIdx.z * NG
+                while h0 < H:  # uniform trip count over the block (shuffles below)
+                    h = h0 + g
+                    valid = h < H
+                    if valid and tok:
+                        t2 = ld2(row, h * Dw + wo)
+                        wq[0] = t2[0]
+                        wq[1] = t2[1]
+                        t2 = ld2(row, (H + h) * Dw + wo)
+                        wk[0] = t2[0]
+                        wk[1] = t2[1]
+                        t2 = ld2(row, (2 * H + h) * Dw + wo)
+                        st2(out[2, b, h, t], wo, t2[0], t2[1])
+                    else:
+                        for u in range(VW):
+                            wq[u] = int64(0)
+                            wk[u] = int64(0)
+                    s_q = float32(0)
+                    s_k = float32(0)
+                    for u in range(VW):
+                        unpack_w(wq[u], a, 4 * u, 4)
+                        unpack_w(wk[u], c, 4 * u, 4)
+                    for e in range(NE):
+                        s_q += a[e] * a[e]
+                        s_k += c[e] * c[e]
+                    s_q = group_sum(s_q, G, smem)
+                    s_k = group_sum(s_k, G, smem)
+                    mq = float32(0)
+                    mk = float32(0)
+                    if valid and tok:  # (pad tokens: zero words, tiny scales)
+                        rq = rsqrt(s_q * inv_d + eps)
+                        rk = rsqrt(s_k * inv_d + eps)
+                        sqr = scales[p, 0]
+                        skr = scales[p, 1]
+                        for u in range(VW):
+                            t2 = ld2(sqr, 2 * wo + 2 * u)
+                            f[0], f[1] = unpack_f32x2(t2[0])
+                            f[2], f[3] = unpack_f32x2(t2[1])
+                            for e in range(4):
+                                a[4 * u + e] *= rq * f[e]
+                            t2 = ld2(skr, 2 * wo + 2 * u)
+                            f[0], f[1] = unpack_f32x2(t2[0])
+                            f[2], f[3] = unpack_f32x2(t2[1])
+                            for e in range(4):
+                                c[4 * u + e] *= rk * f[e]
+                        if has_pe:
+                            per = pe[pb, t]
+                            for i in range(2 * VW):
+                                t2 = ld2(per, 4 * wo + 2 * i)
+                                f[0], f[1] = unpack_f32x2(t2[0])
+                                f[2], f[3] = unpack_f32x2(t2[1])
+                                x0 = a[2 * i]
+                                x1 = a[2 * i + 1]
+                                a[2 * i] = f[0] * x0 + f[1] * x1
+                                a[2 * i + 1] = f[2] * x0 + f[3] * x1
+                                x0 = c[2 * i]
+                                x1 = c[2 * i + 1]
+                                c[2 * i] = f[0] * x0 + f[1] * x1
+                                c[2 * i + 1] = f[2] * x0 + f[3] * x1
+                        for u in range(VW):
+                            wq[u] = pack4(a[4 * u], a[4 * u + 1], a[4 * u + 2], a[4 * u + 3])
+                            wk[u] = pack4(c[4 * u], c[4 * u + 1], c[4 * u + 2], c[4 * u + 3])
+                        st2(out[0, b, h, t], wo, wq[0], wq[1])
+                        st2(out[1, b, h, t], wo, wk[0], wk[1])
+                        # quantize exactly the bf16 values just stored (only the 4 packed words
+                        # stay live across the reduction: unpacked again below, <= 64 registers)
+                        for u in range(VW):
+                            unpack_w(wq[u], a, 4 * u, 4)
+                            unpack_w(wk[u], c, 4 * u, 4)
+                        for e in range(NE):
+                            mq = max(mq, abs(a[e]))
+                            mk = max(mk, abs(c[e] - kmean[b, h, 4 * wo + e]))
+                    mq = group_max(mq, G, smem)
+                    mk = group_max(mk, G, smem)
+                    if valid:
+                        mq = max(mq, TINY)
+                        mk = max(mk, TINY)
+                        for u in range(VW):
+                            unpack_w(wq[u], a, 4 * u, 4)
+                        q8[0, b, h, t, w] = pack8(a, 0, float32(127) / mq)
+                        for u in range(VW):
+                            unpack_w(wk[u], a, 4 * u, 4)
+                        if tok:
+                            for e in range(NE):
+                                a[e] -= kmean[b, h, 4 * wo + e]
+                        q8[1, b, h, t, w] = pack8(a, 0, float32(127) / mk)
+                        if w == 0:
+                            qsc[0, b, h, t] = mq / float32(127)
+                            qsc[1, b, h, t] = mk / float32(127)
+                    h0 += NG * cuda.gridDim.z
+                t += cuda.gridDim.x
+            b += cuda.gridDim.y
+
+    return ik.jit_kernel(qk_kernel_q, **LB)
+
+
+_q_launchers = {}
+_q8_scratch = {}
+
+
+def _q_launcher(name):
+    la = _q_launchers.get(name)
+    if la is None:
+        la = _q_launchers[name] = ik.Launcher(make_kmean_kernel if name == "kmean" else make_qk_kernel_q)
+    return la
+
+
+def _q8_buffers(B, H, Lp, D, dev):
+    """int8 q|k [2, B, H, Lp, D], scales [2, B, H, Lp], kmean [B, H, D] + a dict for the consumer's
+    cached views; per shape and stream, never cached while a CUDA graph is being captured."""
+    capturing = (not ik.SIMULATOR) and torch.cuda.is_current_stream_capturing()
+    key = (B, H, Lp, D, str(dev), 0 if ik.SIMULATOR else torch.cuda.current_stream().cuda_stream)
+    ent = None if capturing else _q8_scratch.get(key)
+    if ent is None:
+        q8 = torch.empty((2, B, H, Lp, D), dtype=torch.int8, device=dev)
+        sc = torch.empty((2, B, H, Lp), dtype=torch.float32, device=dev)
+        km = torch.empty((B, H, D), dtype=torch.float32, device=dev)
+        ent = (q8, q8.view(torch.int64), sc, km, {})
+        if not capturing:
+            if len(_q8_scratch) > 8:
+                _q8_scratch.clear()
+            _q8_scratch[key] = ent
+    return ent
+
+
+def _launch_quant(a0, a1, sc, pe_w, ow, q, k, B, H, D, L0, Ltot, has_pe, eps, nt, nz, dev):
+    Lp = -(-Ltot // 64) * 64
+    q8, q8w, qsc, km, views = _q8_buffers(B, H, Lp, D, dev)
+    S = min(Ltot, KMEAN_SAMPLES)
+    ntm = min(1024, -(-(S * (D // 8)) // 32) * 32)
+    hp = 1 if has_pe else 0
+    _q_launcher("kmean")(ik.grid3(H, B, 1), ntm, a0, a1, sc, pe_w, km, L0, Ltot, S, hp, np.float32(eps))
+    _q_launcher("quant")(ik.grid3(Lp, B, nz), nt, a0, a1, sc, pe_w, ow, q8w, qsc, km, L0, hp, np.float32(eps))
+    return Quant8(q, k, q8[0], q8[1], qsc[0].reshape(-1), qsc[1].reshape(-1), km, Lp, views)
+
+
+def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6, quant8: bool = False):
     qkv0 = parts[0][0]
     B, L0, C3 = qkv0.shape
     H = num_heads
@@ -341,9 +751,16 @@ def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6):
     ow = out.view(torch.int64)
     VW = 2 if D >= 8 and ik.aligned16(a0, a1, ow) else 1
     nt, nz = _threads(D // (4 * VW), H)
+    if quant8 and VW == 2 and D in QUANT_DIMS:
+        q, k, v = out[0], out[1], out[2]
+        pack = _launch_quant(a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow, q, k,
+                             B, H, D, L0, Ltot, pe is not None, eps, nt, nz, dev)
+        return q, k, v, pack
     _launcher(VW)(ik.grid3(Ltot, B, nz), nt,
                   a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow,
                   L0, 1 if pe is not None else 0, np.float32(eps))
+    if quant8:  # no int8 copy for this layout: attention falls back to its pre-pass
+        return out[0], out[1], out[2], None
     return out[0], out[1], out[2]
 
 

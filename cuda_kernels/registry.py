@@ -217,6 +217,11 @@ class OpRegistry:
 
         def fresh():
             return [a.clone() if i in op.mutates else a for i, a in enumerate(args)]
+        # an ``out=`` tensor gets a private stand-in: the trials must not write the caller's
+        # buffer, which may alias an input (GELU in place over linear1's output)
+        out = kwargs.get("out")
+        if isinstance(out, torch.Tensor):
+            kwargs = dict(kwargs, out=torch.empty_like(out))
         try:
             b.fn(*fresh(), **kwargs)  # warm-up / JIT
             inputs = [fresh() for _ in range(reps)]

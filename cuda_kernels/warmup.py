@@ -50,10 +50,21 @@ def warm_calls(device) -> List[Tuple[str, str, Callable]]:
         ("qk_norm_rope", "numba", lambda: registry.call("qk_norm_rope", [(qkv_t, s, s), (qkv_i, s, s)], pe, H, 1e-6)),
         ("gelu_tanh", "numba", lambda: registry.call("gelu_tanh", lin1[..., 3 * C:], out=buf[..., C:])),
         ("attention", "numba", lambda: registry.call("attention", q, q, q, None)),
-        ("attention", "numba-8bit", lambda: registry.call("attention", q, q, q, None)),
+        ("attention", "numba-8bit", lambda: _warm_8bit(qkv_t, qkv_i, s, pe, H, q)),
         ("groupnorm_silu", "numba", lambda: registry.call("groupnorm_silu", gn, 32, w, w, 1e-6, True)),
     ]
     return [(op, b, fn) for op, b, fn in calls if op in registry.ops and b in registry.backends(op)]
+
+
+def _warm_8bit(qkv_t, qkv_i, s, pe, H, q):
+    """Both 8-bit paths: the pre-pass one (any caller's q/k) and the blocks' fused one
+    (qk_norm_rope's int8 Q/K + its K-mean kernel, the per-token-scale attention kernel)."""
+    from . import attention
+    registry.call("attention", q, q, q, None)
+    qq, kk, vv, pack = registry.call("qk_norm_rope", [(qkv_t, s, s), (qkv_i, s, s)], pe, H, 1e-6, quant8=True)
+    if pack is not None:
+        with attention.prequantized(pack):
+            registry.call("attention", qq, kk, vv, None)
 
 
 def warm_all(device="cuda", on_begin: Callable = None, on_step: Callable = None, backends=None) -> Dict[str, dict]:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cuda_kernels import registry
+from ..cuda_kernels import attention as _attention_op
 
 
 @dataclass
@@ -42,7 +43,23 @@ class BlockContext:
     gemm_epilogue: bool = False  # fold GELU into the up-projection GEMM (op linear_gelu) where weights allow
     silu_cache: dict = field(default_factory=dict)
 
-    def attn(self, q, k, v, mask, out=None):
+    def wants_q8(self) -> bool:
+        """True when this call's attention is the registry's op forced to numba-8bit: qk_norm_rope
+        then also emits int8 Q/K (``quant8=True``) so the 8-bit kernel skips its pre-pass.  The
+        exact / bf16 paths never ask (no extra bytes, no extra launches)."""
+        return self.attention is None and registry.requested("attention") == "numba-8bit"
+
+    def qk_norm_rope(self, parts, pe, H):
+        """(q, k, v, pack): pack is qk_norm_rope's Quant8 when wants_q8() and its backend made one."""
+        if self.wants_q8():
+            return registry.call("qk_norm_rope", parts, pe, H, self.eps, quant8=True)
+        q, k, v = registry.call("qk_norm_rope", parts, pe, H, self.eps)
+        return q, k, v, None
+
+    def attn(self, q, k, v, mask, out=None, pack=None):
+        if pack is not None:  # offered to numba-8bit for exactly this call (validated there)
+            with _attention_op.prequantized(pack):
+                return self.attn(q, k, v, mask, out=out)
         if self.attention is not None:
             o = self.attention(q, k, v, mask)
             if out is not None:
@@ -106,11 +123,11 @@ def double_block(blk, img, txt, vec, pe, mask=None, ctx: Optional[BlockContext] 
 
     img_qkv = blk.img_attn.qkv(registry.call("ln_modulate", img, i_sh1, i_sc1, eps))
     txt_qkv = blk.txt_attn.qkv(registry.call("ln_modulate", txt, t_sh1, t_sc1, eps))
-    q, k, v = registry.call("qk_norm_rope", [(txt_qkv, *_norm_scales(blk.txt_attn)),
-                                             (img_qkv, *_norm_scales(blk.img_attn))], pe, H, eps)
+    q, k, v, q8 = ctx.qk_norm_rope([(txt_qkv, *_norm_scales(blk.txt_attn)),
+                                    (img_qkv, *_norm_scales(blk.img_attn))], pe, H)
     del img_qkv, txt_qkv
-    attn = ctx.attn(q, k, v, mask)
-    del q, k, v
+    attn = ctx.attn(q, k, v, mask, pack=q8)
+    del q, k, v, q8
     txt_attn, img_attn = attn[:, :Lt], attn[:, Lt:]
 
     if ctx.fused:
@@ -136,6 +153,30 @@ def _mlp(mlp, x, ctx: Optional[BlockContext] = None):
     return mlp[2](registry.call("gelu_tanh", mlp[0](x)))
 
 
+def _linear_rows(lin, x):
+    """``lin(x)`` for x [B, L, K] whose rows are strided (a column slice of a wider buffer).
+    torch's linear runs a non-contiguous 3-D input as matmul + a separate bias-add kernel (1.5 ms
+    of GPU time per FLUX step on the H200, session 2 run 7); addmm on the 2-D row view keeps the
+    bias in the GEMM epilogue (run 9: kernel time 117.6 -> 114.6 ms/step).  But eagerly the addmm
+    path costs more host time per call and the eager step became host-bound (126 -> 137 ms,
+    runs 9-10), so it is used only while a CUDA graph is being captured (host cost then vanishes)."""
+    pw = plain_weights(lin, x)
+    if pw is None or pw[1] is None or not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return lin(x)
+    B, L, K = x.shape
+    try:
+        x2 = x.view(B * L, K)
+    except RuntimeError:
+        return lin(x)
+    return torch.addmm(pw[1], x2, pw[0].t()).view(B, L, -1)
+
+
+def _views_of(base, *ts) -> bool:
+    """True when any of ts shares base's storage."""
+    p = base.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == p for t in ts)
+
+
 def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None):
     """One FLUX single-stream block. Returns x (updated in place like stock)."""
     ctx = ctx or BlockContext()
@@ -150,18 +191,30 @@ def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None)
     lin1 = blk.linear1(h)
     del h
     qkv, mlp = lin1[..., :3 * C], lin1[..., 3 * C:]
-    q, k, v = registry.call("qk_norm_rope", [(qkv, *_norm_scales(blk))], pe, H, eps)
-    if ctx.fused:
+    q, k, v, q8 = ctx.qk_norm_rope([(qkv, *_norm_scales(blk))], pe, H)
+    if ctx.fused and not _views_of(lin1, q, k, v):
+        # linear2's input [attn | gelu(mlp)] is built inside linear1's output: the attention
+        # output over lin1's v columns (dead once qk_norm_rope has written v to its own buffer),
+        # GELU in place over the mlp half, then linear2 reads lin1[..., 2C:] (row stride 3C+M).
+        # No [B, L, C+M] buffer (141.6 MB at 1024^2): the step's peak stays below stock's.
+        buf = lin1[..., 2 * C:]
+        ctx.attn(q, k, v, mask, out=buf[..., :C], pack=q8)
+        del q, k, v, q8
+        registry.call("gelu_tanh", mlp, out=mlp)
+        del qkv, mlp
+        out = _linear_rows(blk.linear2, buf)
+        del buf, lin1
+    elif ctx.fused:  # q/k/v still view linear1's output (torch qk_norm_rope): a separate buffer
         B, L, _ = x.shape
         buf = torch.empty((B, L, C + M), dtype=lin1.dtype, device=lin1.device)
-        ctx.attn(q, k, v, mask, out=buf[..., :C])
-        del q, k, v
+        ctx.attn(q, k, v, mask, out=buf[..., :C], pack=q8)
+        del q, k, v, q8
         registry.call("gelu_tanh", mlp, out=buf[..., C:])
         del lin1, qkv, mlp
         out = blk.linear2(buf)
     else:
-        attn = ctx.attn(q, k, v, mask)
-        del q, k, v
+        attn = ctx.attn(q, k, v, mask, pack=q8)
+        del q, k, v, q8
         out = blk.linear2(torch.cat((attn, registry.call("gelu_tanh", mlp)), 2))
     registry.call("gated_residual", x, g, out)
     if x.dtype == torch.float16:

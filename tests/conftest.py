@@ -19,6 +19,14 @@ if not _has_gpu():
     # the simulator's block manager busy-polls its threads: a short switch interval makes it 5-10x faster
     sys.setswitchinterval(5e-5)
 
+if os.environ.get("FLUX_TEST_MATH_SDPA") == "1":
+    # bench/sanitize.sh synccheck: cuDNN's SDPA kernels trip synccheck's mbarrier check (a false
+    # positive that poisons the context), so the torch references use the math backend
+    import torch
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+
 sys.path.insert(0, ROOT)
 import _pack  # noqa: E402
 

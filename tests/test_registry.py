@@ -86,3 +86,35 @@ def test_opt_in_backend_runs_only_when_forced():
         assert r.call("op", 1)[0] == "slow"
     from flux_numba_pack.cuda_kernels import registry
     assert not any(b.auto for n, b in registry.ops["attention"].backends.items() if n != "torch")
+
+
+def test_autotune_trials_never_write_the_callers_out(monkeypatch):
+    """``out=`` may alias an input (GELU in place over linear1's output in the single block):
+    autotune's trial calls must write a private stand-in, or the input would be transformed
+    once per trial before the real call.  (The timing itself needs CUDA: faked here.)"""
+    class Ev:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+    monkeypatch.setattr(torch.cuda, "Event", Ev)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda n: None)
+    r = OpRegistry()
+
+    def inc(x, out=None):
+        out = x.clone() if out is None else out
+        out.copy_(x + 1)
+        return out
+    op = r.register("inc", inc)
+    x = torch.zeros(4)
+    assert r._time(op, op.backends["torch"], (x,), {"out": x}) == pytest.approx(0.1)
+    assert torch.equal(x, torch.zeros(4))  # untouched by the 11 trial calls
+    assert torch.equal(r.call("inc", x, out=x), torch.ones(4))
