@@ -47,56 +47,21 @@ _pack.load()
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import attention as A  # noqa: E402
 
-T0 = time.time()
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import _attn_common as AC  # noqa: E402
+from _attn_common import T0, note, rel, results, time_ms, graph_ms  # noqa: E402,F401
+
+AC.init(DRY)
 DEV = "cpu" if DRY else "cuda"
-if DRY:  # tiny shapes, wall-clock timing
-    class _Ev:
-        def __init__(self, **kw):
-            self.t = 0.0
-
-        def record(self):
-            self.t = time.perf_counter()
-
-        def elapsed_time(self, other):
-            return (other.t - self.t) * 1e3
-
-    torch.cuda.Event = _Ev
-    torch.cuda.synchronize = lambda: None
-    torch.cuda.empty_cache = lambda: None
-    torch.cuda.get_device_name = lambda: "simulator (dry run)"
-torch.backends.cuda.matmul.allow_tf32 = False
-torch.backends.cudnn.allow_tf32 = False
 rows = []      # table rows
-results = {}   # JSON
-
-
-def note(name, **kw):
-    results[name] = kw
-    print(f"[{time.time() - T0:6.1f}s] {name}: " + ", ".join(f"{k}={v}" for k, v in kw.items()), flush=True)
 
 
 def ref32(q, k, v, mask=None):
-    from torch.nn.attention import sdpa_kernel, SDPBackend
-    B, H, L, D = q.shape
-    m = A.normalize_mask(mask)
-    if m is not None and m.dtype != torch.bool:
-        m = m.float()
-    outs = []
-    with sdpa_kernel(SDPBackend.MATH):
-        for h0 in range(0, H, 4):  # chunk heads: the math backend materialises [B, h, L, L]
-            mh = None if m is None else (m if m.shape[1] == 1 else m[:, h0:h0 + 4])
-            outs.append(F.scaled_dot_product_attention(q[:, h0:h0 + 4].float(), k[:, h0:h0 + 4].float(),
-                                                       v[:, h0:h0 + 4].float(), attn_mask=mh))
-    o = torch.cat(outs, 1)
-    return o.transpose(1, 2).reshape(B, L, H * D)
+    return AC.ref32(q, k, v, A.normalize_mask(mask))
 
 
 def sdpa16(q, k, v, mask=None):
     return A.reference(q, k, v, mask)
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def call(backend, q, k, v, mask=None, out=None):
@@ -114,24 +79,6 @@ def make(B, H, L, D, qk_scale=1.0, seed=0):
     k = (torch.randn(B, H, L, D, device=DEV, generator=g) * qk_scale).to(torch.bfloat16)
     v = torch.randn(B, H, L, D, device=DEV, generator=g).to(torch.bfloat16)
     return q, k, v
-
-
-def time_ms(fn, reps=25, warm=3):
-    if DRY:
-        reps, warm = 1, 0
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        ts.append((s, e))
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in ts)
-    return ts[len(ts) // 2]
 
 
 BACKENDS = [b for b in ("numba", "numba-8bit") if b in registry.backends("attention")]
@@ -210,19 +157,6 @@ def check_case(name, B, H, L, D, mask=None, qk_scale=1.0, seed=0, out_view=False
             variant("4w")
     del q, k, v, r32
     torch.cuda.empty_cache()
-
-
-def graph_ms(fn, n=10):
-    """Device time of one call: n calls captured in one CUDA graph, median replay / n."""
-    fn()
-    torch.cuda.synchronize()
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for _ in range(n):
-            fn()
-    t = time_ms(gr.replay, reps=20) / n
-    del gr
-    return t
 
 
 def kernel_info(D):

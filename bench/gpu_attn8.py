@@ -45,82 +45,17 @@ from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import attention as A  # noqa: E402
 from flux_numba_pack.cuda_kernels import qk_norm_rope as QK  # noqa: E402
 
-T0 = time.time()
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import _attn_common as AC  # noqa: E402
+from _attn_common import T0, note, rel, ref32, results, time_ms, graph_ms  # noqa: E402,F401
+
+AC.init(DRY)
 DEV = "cpu" if DRY else "cuda"
-if DRY:
-    class _Ev:
-        def __init__(self, **kw):
-            self.t = 0.0
-
-        def record(self):
-            self.t = time.perf_counter()
-
-        def elapsed_time(self, other):
-            return (other.t - self.t) * 1e3
-
-    torch.cuda.Event = _Ev
-    torch.cuda.synchronize = lambda: None
-    torch.cuda.empty_cache = lambda: None
-torch.backends.cuda.matmul.allow_tf32 = False
-torch.backends.cudnn.allow_tf32 = False
 H, D = (2, 32) if DRY else (24, 128)
 LT, LI = (5, 37) if DRY else (512, 4096)
 LT_RAGGED = 3 if DRY else 333
 COPY_TBS = 3.7
-rows, results = [], {}
-
-
-def note(name, **kw):
-    results[name] = kw
-    print(f"[{time.time() - T0:6.1f}s] {name}: " + ", ".join(f"{k}={v}" for k, v in kw.items()), flush=True)
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def ref32(q, k, v):
-    from torch.nn.attention import sdpa_kernel, SDPBackend
-    B, Hh, L, Dd = q.shape
-    outs = []
-    with sdpa_kernel(SDPBackend.MATH):
-        for h0 in range(0, Hh, 4):
-            outs.append(F.scaled_dot_product_attention(q[:, h0:h0 + 4].float(), k[:, h0:h0 + 4].float(),
-                                                       v[:, h0:h0 + 4].float()))
-    return torch.cat(outs, 1).transpose(1, 2).reshape(B, L, Hh * Dd)
-
-
-def time_ms(fn, reps=25, warm=3):
-    if DRY:
-        reps, warm = 1, 0
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ev = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        ev.append((s, e))
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in ev)
-    return ts[len(ts) // 2]
-
-
-def graph_ms(fn, n=10):
-    """Device time of one call: n calls captured in one CUDA graph, median replay / n."""
-    if DRY:
-        return time_ms(fn)
-    fn()
-    torch.cuda.synchronize()
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for _ in range(n):
-            fn()
-    t = time_ms(gr.replay, reps=20) / n
-    del gr
-    return t
+rows = []
 
 
 def forced(**pol):

@@ -1,0 +1,95 @@
+"""Pieces shared by the attention GPU scripts (gpu_attention.py, gpu_attn8.py): the dry-run
+shims (CPU simulator smoke test of a script's flow), notes, the fp32 reference, event timing."""
+import time
+
+import torch
+import torch.nn.functional as F
+
+DRY = False
+T0 = time.time()
+results = {}  # JSON of the run
+
+
+class _Ev:
+    """Wall-clock stand-in for torch.cuda.Event in a dry run."""
+
+    def __init__(self, **kw):
+        self.t = 0.0
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+def init(dry: bool):
+    """Set the mode (dry: CPU simulator, tiny shapes, wall-clock 'events'); TF32 off."""
+    global DRY
+    DRY = dry
+    if dry:
+        torch.cuda.Event = _Ev
+        torch.cuda.synchronize = lambda: None
+        torch.cuda.empty_cache = lambda: None
+        torch.cuda.get_device_name = lambda: "simulator (dry run)"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def note(name, **kw):
+    results[name] = kw
+    print(f"[{time.time() - T0:6.1f}s] {name}: " + ", ".join(f"{k}={v}" for k, v in kw.items()), flush=True)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def ref32(q, k, v, mask=None):
+    """fp32 attention (math backend, heads in chunks of 4: it materialises [B, h, L, L]) ->
+    [B, L, H*D]; mask already in [Bm, Hm, L, L] form (attention.normalize_mask)."""
+    from torch.nn.attention import sdpa_kernel, SDPBackend
+    B, H, L, D = q.shape
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.float()
+    outs = []
+    with sdpa_kernel(SDPBackend.MATH):
+        for h0 in range(0, H, 4):
+            mh = None if mask is None else (mask if mask.shape[1] == 1 else mask[:, h0:h0 + 4])
+            outs.append(F.scaled_dot_product_attention(q[:, h0:h0 + 4].float(), k[:, h0:h0 + 4].float(),
+                                                       v[:, h0:h0 + 4].float(), attn_mask=mh))
+    return torch.cat(outs, 1).transpose(1, 2).reshape(B, L, H * D)
+
+
+def time_ms(fn, reps=25, warm=3):
+    """Median ms of one call between two events (dry: one wall-clock call)."""
+    if DRY:
+        reps, warm = 1, 0
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ev = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        ev.append((s, e))
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) for s, e in ev)
+    return ts[len(ts) // 2]
+
+
+def graph_ms(fn, n=10):
+    """Device time of one call: n calls captured in one CUDA graph, median replay / n."""
+    if DRY:
+        return time_ms(fn)
+    fn()
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for _ in range(n):
+            fn()
+    t = time_ms(gr.replay, reps=20) / n
+    del gr
+    return t
