@@ -1,0 +1,62 @@
+"""Static instruction mix of the bf16 attention kernel's main loop (no GPU needed).
+
+    python bench/sass_attention.py [--nvdisasm PATH]
+Compiles the default (4w, D=128, no mask) kernel to PTX for sm_90 with numba, assembles it with
+``ptxas -arch=sm_90a`` (on PATH), disassembles with ``nvdisasm`` (the nvidia-cuda-nvdisasm wheel
+ships one: nvidia/cu13/bin/nvdisasm) and counts the SASS opcodes of the loop that holds the
+HMMAs (the backward branch enclosing the most HMMA instructions).
+"""
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nvdisasm", default="nvdisasm")
+    a = ap.parse_args()
+    import _pack
+    _pack.load()
+    import numba.cuda.dispatcher as _d
+    _d.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+    from numba import cuda, types as nt
+    from flux_numba_pack.cuda_kernels import attention as A
+    I32, F32, i64 = nt.Array(nt.int32, 1, "A"), nt.Array(nt.float32, 1, "A"), nt.int64
+    sig = (I32, I32, I32, I32, F32) + (i64,) * 16 + (nt.float64,)
+    ptx, _ = cuda.compile_ptx(A._make_kernel(128, False, 4).py_func, sig, cc=(9, 0), fastmath=True)
+    ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.0", ptx, count=1, flags=re.M)
+    d = tempfile.mkdtemp()
+    open(os.path.join(d, "k.ptx"), "w").write(ptx)
+    r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"], cwd=d, capture_output=True, text=True)
+    print(" ".join(ln.strip() for ln in r.stderr.splitlines() if "Used" in ln))
+    sass = subprocess.run([a.nvdisasm, "-c", os.path.join(d, "k.cubin")], capture_output=True, text=True).stdout.splitlines()
+    labels = {ln[:-1]: i for i, ln in enumerate(sass) if ln.startswith(".L_x_") and ln.endswith(":")}
+    best = None
+    for i, ln in enumerate(sass):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
+        if m and labels.get(m.group(1), i) < i:
+            st = labels[m.group(1)]
+            h = sum("HMMA" in sass[j] for j in range(st, i))
+            if best is None or h > best[2]:
+                best = (st, i, h)
+    st, en, h = best
+    ops = collections.Counter()
+    for ln in sass[st:en + 1]:
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
+        if m:
+            ops[m.group(1)] += 1
+    print(f"main loop: {sum(ops.values())} instructions, {h} HMMA per KV tile")
+    print(", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
+
+
+if __name__ == "__main__":
+    main()
