@@ -16,7 +16,8 @@ read as one int64), ``unpack_w(w, a, base, vec)`` (word -> local array).  Refere
 ``(u + 0x7FFF + ((u >> 16) & 1)) >> 16``, NaN kept quiet), ``wrap_i64`` / ``wrap_i16``.
 
 Reductions (float32): ``block_sum(v, smem)`` over the whole block (blockDim a multiple of 32 on
-the GPU), ``group_sum(v, g, smem)`` over aligned groups of g lanes (g a power of two <= 32).
+the GPU), ``group_sum(v, g, smem)`` / ``group_max(v, g, smem)`` over aligned groups of g lanes
+(g a power of two <= 32).
 ``smem`` is a ``cuda.shared.array(RED_SMEM, float32)`` the kernel allocates; every thread of
 the block must call the reduction (uniform control flow).
 
@@ -95,7 +96,7 @@ if not NUMBA_OK:  # pragma: no cover - names exist so op modules import; checks 
     float32 = int32 = int64 = int16 = None
     bf2f = word_get = f2bf = wrap_i64 = wrap_i16 = lo_f32 = hi_f32 = None
     unpack4 = pack4 = pack1 = round_bf16 = unpack_f32x2 = unpack_w = None
-    rsqrt = tanh = gelu_tanh = gelu_fast = block_sum = group_sum = None
+    rsqrt = tanh = gelu_tanh = gelu_fast = block_sum = group_sum = group_max = None
     ld2 = st2 = None
 
 elif SIMULATOR:
@@ -198,6 +199,18 @@ elif SIMULATOR:
         s = _F32(0)
         for i in range(g):
             s += smem[base + i]
+        cuda.syncthreads()
+        return s
+
+    @cuda.jit(device=True)
+    def group_max(v, g, smem):
+        tid = cuda.threadIdx.x
+        smem[tid] = v
+        cuda.syncthreads()
+        base = tid - tid % g
+        s = smem[base]
+        for i in range(1, g):
+            s = max(s, smem[base + i])
         cuda.syncthreads()
         return s
 
@@ -460,6 +473,14 @@ else:
         off = g >> 1
         while off > 0:
             v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            off >>= 1
+        return v
+
+    @cuda.jit(**_dev)
+    def group_max(v, g, smem):
+        off = g >> 1
+        while off > 0:
+            v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, off))
             off >>= 1
         return v
 

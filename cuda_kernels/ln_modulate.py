@@ -348,8 +348,7 @@ def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps):
             ny = min(L, max(1, _sms(dev) * PIPE_BLOCKS[GATED] // B))
         la(ik.grid3(1, ny, B), nt, xw, yw, gw, shw, scw, ow, np.float32(eps))
         return
-    _launcher(VEC, GATED, VW)(ik.grid3(1, L, B), _threads(Cw, NW_FOR[(VEC, VW)]),
-                              xw, yw, gw, shw, scw, ow, np.float32(eps))
+    _launcher(VEC, GATED, VW)(ik.grid3(1, L, B), nt, xw, yw, gw, shw, scw, ow, np.float32(eps))
 
 
 _launchers = {}

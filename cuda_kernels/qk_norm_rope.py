@@ -38,7 +38,7 @@ import torch
 from . import intrinsics as ik
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key then only hashes the factory's int constants
-from .intrinsics import cuda, float32, int64, unpack_w, pack4, unpack_f32x2, group_sum, rsqrt, ld2, st2  # noqa: F401
+from .intrinsics import cuda, float32, int64, unpack_w, pack4, unpack_f32x2, group_sum, group_max, rsqrt, ld2, st2  # noqa: F401
 from .registry import registry
 
 OP = "qk_norm_rope"
@@ -394,30 +394,6 @@ def quant8_reference(q, k):
     q8, qs = qz(q.float())
     k8, ks = qz(kf - kmean[:, :, None])
     return q8, k8, qs, ks, Lp, kmean
-
-
-if ik.SIMULATOR:
-    @cuda.jit(device=True)
-    def group_max(v, g, smem):
-        tid = cuda.threadIdx.x
-        smem[tid] = v
-        cuda.syncthreads()
-        base = tid - tid % g
-        s = smem[base]
-        for i in range(1, g):
-            s = max(s, smem[base + i])
-        cuda.syncthreads()
-        return s
-elif ik.NUMBA_OK:
-    @cuda.jit(device=True, forceinline=True)
-    def group_max(v, g, smem):
-        off = g >> 1
-        while off > 0:
-            v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, off))
-            off >>= 1
-        return v
-else:  # pragma: no cover
-    group_max = None
 
 
 def _quant_helpers():
