@@ -11,7 +11,7 @@ L1/L2 hits, 88 -> 64 registers, i.e. 10 rows in flight per SM instead of 7 -- th
 latency bound: each row waits for its loads, then two block reductions, then stores);
 16-byte loads/stores (ld.global.v2.u64) when every row and
 vector is 16-byte aligned, int64 words when 8-byte aligned, else the int16 scalar fallback.
-16-byte rows go through the software-pipelined variant (``make_pipe_kernel``: 8 blocks per
+16-byte rows go through the software-pipelined variant (``make_row_kernel(PIPE=1)``: 8 blocks per
 SM, each striding over rows and issuing the next row's loads before the current row's
 reductions): img 20.0 us (68% of 3.7 TB/s; a torch copy of the same bytes takes 14.7 us).
 Tried and measured slower on the H200 (11-29 runs #2, #3): one warp per row (shuffle-only
@@ -61,16 +61,22 @@ MAX_THREADS = 1024
 NW_FOR = {(4, 2): 8, (4, 1): 4, (1, 1): 16}
 
 
-def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0):
+def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0):
     """Row kernel factory.  GATED=1: first ``x += gate * y`` (x rounded to bf16 and stored),
     then LN + modulate of the new x.  Arrays are word views: x, y, out [B, L, Cw];
     gate, shift, scale [B, 1, Cw].  Thread slot k covers words (tid + k*nt)*VW .. +VW (VW 2:
     one 16-byte access).  Only packed words stay in registers (each pass unpacks again: a
     shift or mask per element), which keeps the kernel near 40 registers -> many rows in
-    flight per SM; every load of a row is issued before the first reduction."""
+    flight per SM; every load of a row is issued before the first reduction.
+    LATE=1: shift/scale are read in the last pass (fewer live registers).
+    PIPE=1 (16-byte words only), software pipeline: a block strides over rows li,
+    li + gridDim.y, ... and issues the next row's x (and y) loads before the current row's
+    reductions, so it always has a row in flight (the one-row kernel leaves the memory system
+    idle between its loads and its stores; it reached 58-63% of copy bandwidth)."""
 
     RED = ik.RED_SMEM
     NS = NW // VW
+    assert not PIPE or (VEC == 4 and VW == 2)
 
     def row_kernel(x, y, gate, shift, scale, out, eps):
         smem = cuda.shared.array(RED, float32)
@@ -82,6 +88,8 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0):
         wg = cuda.local.array(NW, int64)
         wsh = cuda.local.array(NW, int64)
         wsc = cuda.local.array(NW, int64)
+        nx = cuda.local.array(NW, int64)  # PIPE: the next row's x / y
+        ny = cuda.local.array(NW, int64)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         Cs = x.shape[2] // VW
@@ -93,21 +101,55 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0):
             shr = shift[b, 0]
             scr = scale[b, 0]
             li = cuda.blockIdx.y
+            if PIPE and li < x.shape[1]:  # prologue: the first row's loads
+                xn = x[b, li]
+                yn = y[b, li]
+                for k in range(NS):
+                    j = tid + k * nt
+                    if j < Cs:
+                        t2 = ld2(xn, 2 * j)
+                        nx[2 * k] = t2[0]
+                        nx[2 * k + 1] = t2[1]
+                        if GATED:
+                            t2 = ld2(yn, 2 * j)
+                            ny[2 * k] = t2[0]
+                            ny[2 * k + 1] = t2[1]
             while li < x.shape[1]:
                 xr = x[b, li]  # 1-D row views: one index per access
                 orow = out[b, li]
                 yr = y[b, li]
+                if PIPE:
+                    for i in range(NW):
+                        wx[i] = nx[i]
+                        if GATED:
+                            wy[i] = ny[i]
+                    ln = li + cuda.gridDim.y
+                    if ln < x.shape[1]:  # the next row's loads, in flight during this row's reductions
+                        xn = x[b, ln]
+                        yn = y[b, ln]
+                        for k in range(NS):
+                            j = tid + k * nt
+                            if j < Cs:
+                                t2 = ld2(xn, 2 * j)
+                                nx[2 * k] = t2[0]
+                                nx[2 * k + 1] = t2[1]
+                                if GATED:
+                                    t2 = ld2(yn, 2 * j)
+                                    ny[2 * k] = t2[0]
+                                    ny[2 * k + 1] = t2[1]
                 for k in range(NS):
                     j = tid + k * nt
                     if j < Cs:
                         if VW == 2:
-                            t2 = ld2(xr, 2 * j)
-                            wx[2 * k] = t2[0]
-                            wx[2 * k + 1] = t2[1]
-                            if GATED:
-                                t2 = ld2(yr, 2 * j)
-                                wy[2 * k] = t2[0]
-                                wy[2 * k + 1] = t2[1]
+                            if not PIPE:
+                                t2 = ld2(xr, 2 * j)
+                                wx[2 * k] = t2[0]
+                                wx[2 * k + 1] = t2[1]
+                                if GATED:
+                                    t2 = ld2(yr, 2 * j)
+                                    wy[2 * k] = t2[0]
+                                    wy[2 * k + 1] = t2[1]
+                            if GATED and not PIPE:
                                 t2 = ld2(gr, 2 * j)
                                 wg[2 * k] = t2[0]
                                 wg[2 * k + 1] = t2[1]
@@ -130,6 +172,10 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0):
                 for k in range(NS):
                     j = tid + k * nt
                     if j < Cs:
+                        if GATED and PIPE:  # the pipelined kernel reads the gate next to its use
+                            t2 = ld2(gr, 2 * j)
+                            wg[2 * k] = t2[0]
+                            wg[2 * k + 1] = t2[1]
                         for v in range(VW):
                             unpack_w(wx[k * VW + v], ta, 0, VEC)
                             if GATED:  # x_new = bf16(x + bf16(gate * y)), exactly stock's rounding
@@ -194,125 +240,6 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0):
     return ik.jit_kernel(row_kernel)
 
 
-def make_pipe_kernel(NW, GATED):
-    """Software-pipelined row kernel (16-byte words only; same math, rounding and thread layout
-    as ``make_row_kernel`` with LATE=1).  A block does rows li, li + gridDim.y, ...; the loads of
-    its next row are issued before the reductions of the current one, so every block keeps a
-    row in flight while it reduces (the one-row kernel leaves the memory system idle between
-    its loads and its stores; it reached 58-63% of copy bandwidth)."""
-
-    RED = ik.RED_SMEM
-    NS = NW // 2
-
-    def pipe_kernel(x, y, gate, shift, scale, out, eps):
-        smem = cuda.shared.array(RED, float32)
-        ta = cuda.local.array(4, float32)
-        tb = cuda.local.array(4, float32)
-        tc = cuda.local.array(4, float32)
-        wx = cuda.local.array(NW, int64)
-        wy = cuda.local.array(NW, int64)
-        nx = cuda.local.array(NW, int64)
-        ny = cuda.local.array(NW, int64)
-        wsh = cuda.local.array(NW, int64)
-        wsc = cuda.local.array(NW, int64)
-        tid = cuda.threadIdx.x
-        nt = cuda.blockDim.x
-        L = x.shape[1]
-        Cs = x.shape[2] // 2
-        inv_n = float32(1) / float32(x.shape[2] * 4)
-        b = cuda.blockIdx.z
-        while b < x.shape[0]:
-            gr = gate[b, 0]
-            shr = shift[b, 0]
-            scr = scale[b, 0]
-            li = cuda.blockIdx.y
-            if li < L:  # prologue: the first row's loads
-                xr = x[b, li]
-                yr = y[b, li]
-                for k in range(NS):
-                    j = tid + k * nt
-                    if j < Cs:
-                        t2 = ld2(xr, 2 * j)
-                        nx[2 * k] = t2[0]
-                        nx[2 * k + 1] = t2[1]
-                        if GATED:
-                            t2 = ld2(yr, 2 * j)
-                            ny[2 * k] = t2[0]
-                            ny[2 * k + 1] = t2[1]
-            while li < L:
-                for i in range(NW):
-                    wx[i] = nx[i]
-                    if GATED:
-                        wy[i] = ny[i]
-                ln = li + cuda.gridDim.y
-                if ln < L:  # next row's loads, in flight during this row's reductions
-                    xn = x[b, ln]
-                    yn = y[b, ln]
-                    for k in range(NS):
-                        j = tid + k * nt
-                        if j < Cs:
-                            t2 = ld2(xn, 2 * j)
-                            nx[2 * k] = t2[0]
-                            nx[2 * k + 1] = t2[1]
-                            if GATED:
-                                t2 = ld2(yn, 2 * j)
-                                ny[2 * k] = t2[0]
-                                ny[2 * k + 1] = t2[1]
-                xr = x[b, li]
-                orow = out[b, li]
-                s = float32(0)
-                for k in range(NS):
-                    j = tid + k * nt
-                    if j < Cs:
-                        if GATED:
-                            g2 = ld2(gr, 2 * j)
-                        for v in range(2):
-                            unpack_w(wx[2 * k + v], ta, 0, 4)
-                            if GATED:  # x_new = bf16(x + bf16(gate * y)), exactly stock's rounding
-                                unpack_w(wy[2 * k + v], tb, 0, 4)
-                                unpack_w(g2[v], tc, 0, 4)
-                                for e in range(4):
-                                    ta[e] = ta[e] + round_bf16(tc[e] * tb[e])
-                                wx[2 * k + v] = pack4(ta[0], ta[1], ta[2], ta[3])
-                                unpack_w(wx[2 * k + v], ta, 0, 4)
-                            for e in range(4):
-                                s += ta[e]
-                        if GATED:
-                            st2(xr, 2 * j, wx[2 * k], wx[2 * k + 1])
-                mean = block_sum(s, smem) * inv_n
-                q = float32(0)
-                for k in range(NS):
-                    if tid + k * nt < Cs:
-                        for v in range(2):
-                            unpack_w(wx[2 * k + v], ta, 0, 4)
-                            for e in range(4):
-                                d = ta[e] - mean
-                                q += d * d
-                var = block_sum(q, smem) * inv_n
-                r = rsqrt(var + eps)
-                for k in range(NS):
-                    j = tid + k * nt
-                    if j < Cs:
-                        t2 = ld2(shr, 2 * j)
-                        wsh[2 * k] = t2[0]
-                        wsh[2 * k + 1] = t2[1]
-                        t2 = ld2(scr, 2 * j)
-                        wsc[2 * k] = t2[0]
-                        wsc[2 * k + 1] = t2[1]
-                        for v in range(2):
-                            unpack_w(wx[2 * k + v], ta, 0, 4)
-                            unpack_w(wsh[2 * k + v], tb, 0, 4)
-                            unpack_w(wsc[2 * k + v], tc, 0, 4)
-                            for e in range(4):
-                                ta[e] = (ta[e] - mean) * r * (float32(1) + tc[e]) + tb[e]
-                            wx[2 * k + v] = pack4(ta[0], ta[1], ta[2], ta[3])
-                        st2(orow, 2 * j, wx[2 * k], wx[2 * k + 1])
-                li = ln
-            b += cuda.gridDim.z
-
-    return ik.jit_kernel(pipe_kernel)
-
-
 # 16-byte rows: the pipelined kernel with PIPE_BLOCKS[GATED] blocks per SM (what fits by
 # registers: 76 registers x 96 threads -> 8); 0 = the one-row kernel.  Measured on the H200
 # (run 11-29 #3, img rows): LN 20.0 us pipelined (8/SM) vs 20.9 one-row; the gated variant
@@ -341,7 +268,7 @@ def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps):
         key = ("pipe", GATED)
         la = _launchers.get(key)
         if la is None:
-            la = _launchers[key] = ik.Launcher(lambda: make_pipe_kernel(NW_FOR[(4, 2)], GATED))
+            la = _launchers[key] = ik.Launcher(lambda: make_row_kernel(4, NW_FOR[(4, 2)], GATED, 2, 1, 1))
         ny = L
         if xw.is_cuda:  # enough blocks to fill the GPU once, each striding over several rows
             dev = xw.device.index if xw.device.index is not None else torch.cuda.current_device()
@@ -428,7 +355,7 @@ def _ptx_cases():
             dt = nt.int64 if vec == 4 else nt.int16
             c[n + " v%dw%d" % (vec, vw)] = lambda G=G, vec=vec, vw=vw, nw=nw, dt=dt: (
                 make_row_kernel(vec, nw, G, vw, int(LATE_VEC[G])), (A(dt, 3),) * 6 + (nt.float32,))
-        c[n + " pipe"] = lambda G=G: (make_pipe_kernel(NW_FOR[(4, 2)], G), (A(nt.int64, 3),) * 6 + (nt.float32,))
+        c[n + " pipe"] = lambda G=G: (make_row_kernel(4, NW_FOR[(4, 2)], G, 2, 1, 1), (A(nt.int64, 3),) * 6 + (nt.float32,))
         c[n + " v4w2 other"] = lambda G=G: (make_row_kernel(4, NW_FOR[(4, 2)], G, 2, 1 - int(LATE_VEC[G])),
                                              (A(nt.int64, 3),) * 6 + (nt.float32,))
     return c
