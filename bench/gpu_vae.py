@@ -308,24 +308,14 @@ def run_node_path():
         return
     try:
         import comfy.sd
-        from comfy.ldm.models.autoencoder import AutoencodingEngine
+        from flux_numba_pack.flux_core.tiny import random_vae_state_dict
+        g = torch.Generator().manual_seed(1)
+        sd = random_vae_state_dict(generator=g)  # z below continues the same stream
     except Exception as e:
         note("node path", skipped=f"comfy.sd not importable: {type(e).__name__}: {e}")
         rows.append(("node VAE.decode", "SKIP", str(e)[:40], "", "", "", "", "", "", ""))
         return
     from flux_numba_pack.nodes import vae_patch as VP
-    dd = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
-          "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
-    m = AutoencodingEngine(regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
-                           encoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": dd},
-                           decoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", "params": dd})
-    g = torch.Generator().manual_seed(1)
-    sd = {}
-    for k, v in m.state_dict().items():
-        r = torch.randn(v.shape, generator=g)
-        sd[k] = (1 + 0.2 * r) if ("norm" in k and k.endswith("weight")) else (
-            0.05 * r if v.ndim == 1 else r / math.sqrt(v[0].numel()))
-    del m
     vae = comfy.sd.VAE(sd=sd)
     out = VP.FluxNumbaVAEPatch().patch(vae)[0]
     z = torch.randn(1, 16, 128, 128, generator=g)

@@ -49,25 +49,16 @@ class FluxNumbaTestFluxConditioning:
 NODE_CLASS_MAPPINGS = {"FluxNumbaTestFluxConditioning": FluxNumbaTestFluxConditioning}
 '''
 
-MAKE_VAE = r'''
-import math, sys, torch
+MAKE_VAE = f"ROOT = {ROOT!r}\n" + r'''
+import sys
 OUT = sys.argv[1]
 sys.argv = [sys.argv[0], "--cpu"]
 import comfy.options; comfy.options.enable_args_parsing()
 import safetensors.torch
-from comfy.ldm.models.autoencoder import AutoencodingEngine
-dd = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
-      "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
-m = AutoencodingEngine(regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
-                       encoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": dd},
-                       decoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", "params": dd})
-g = torch.Generator().manual_seed(1)
-sd = {}
-for k, v in m.state_dict().items():
-    r = torch.randn(v.shape, generator=g)
-    sd[k] = ((1 + 0.2 * r) if ("norm" in k and k.endswith("weight")) else
-             (0.05 * r if v.ndim == 1 else r / math.sqrt(v[0].numel()))).contiguous()
-safetensors.torch.save_file(sd, OUT)
+sys.path.insert(0, ROOT)
+import _pack; _pack.load()
+from flux_numba_pack.flux_core.tiny import random_vae_state_dict
+safetensors.torch.save_file(random_vae_state_dict(1), OUT)
 '''
 
 
