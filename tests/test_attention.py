@@ -38,6 +38,15 @@ def run_numba(backend, *args, **kw):
         registry.strict = False
 
 
+def bool_mask(L, seed, col):
+    """Random [L, L] bool mask (True = attend, ~70%) with column ``col`` always on: no fully
+    masked row, on the test device."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(L, L, generator=g) > 0.3
+    mask[:, col] = True
+    return mask.to(DEV)
+
+
 def make(B, H, L, D, scale=1.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, H, L, D, generator=g) * s for s in (scale, scale, 1.0))
@@ -171,10 +180,7 @@ def test_attention_8bit(B, H, L, masked):
     k = k.to(torch.bfloat16)
     mask = None
     if masked:
-        g = torch.Generator().manual_seed(2)
-        mask = (torch.rand(L, L, generator=g) > 0.3)
-        mask[:, 1] = True
-        mask = mask.to(DEV)
+        mask = bool_mask(L, 2, 1)
     out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
     run_numba("numba-8bit", q, k, v, mask, out=out)
     assert not torch.isnan(out).any()
@@ -353,10 +359,7 @@ def test_attention_numba_w32(var, B, H, L, D, masked):
     q, k, v = make(B, H, L, D, seed=31 + L)
     mask = None
     if masked:
-        g = torch.Generator().manual_seed(12)
-        mask = torch.rand(L, L, generator=g) > 0.3
-        mask[:, 2] = True
-        mask = mask.to(DEV)
+        mask = bool_mask(L, 12, 2)
     out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
     o = _run_variant(var, q, k, v, mask, out=out)
     assert o is out and not torch.isnan(out).any()
@@ -384,7 +387,6 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch):
     """q/k/v and the int8 pack from qk_norm_rope (txt + img parts, batch 2, ragged L = 41, K with a
     channel offset); the 8-bit kernel with per-token scales vs fp32 attention, unmasked and masked;
     the pack is taken only for the very q/k objects it was made from."""
-    from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
     g = torch.Generator().manual_seed(5)
     B, H, D, L1, L2 = 2, 1, 32, 6, 35
     L = L1 + L2
@@ -408,10 +410,7 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch):
     got = []
     orig = A._pending_pack
     monkeypatch.setattr(A, "_pending_pack", lambda q_, k_: got.append(orig(q_, k_)) or got[-1])
-    gm = torch.Generator().manual_seed(2)
-    mask = torch.rand(L, L, generator=gm) > 0.3
-    mask[:, 1] = True
-    for m in (None, mask.to(DEV)):
+    for m in (None, bool_mask(L, 2, 1)):
         out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
         with A.prequantized(pk):
             run_numba("numba-8bit", q, k, v, m, out=out)
@@ -434,10 +433,7 @@ def test_attention_numba_wgmma_pipelined(var, L, masked):
     q, k, v = make(B, H, L, D, seed=41 + L)
     mask = None
     if masked:
-        g = torch.Generator().manual_seed(15)
-        mask = torch.rand(L, L, generator=g) > 0.3
-        mask[:, 5] = True
-        mask = mask.to(DEV)
+        mask = bool_mask(L, 15, 5)
     out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
     _run_variant(var, q, k, v, mask, out=out)
     assert not torch.isnan(out).any()
