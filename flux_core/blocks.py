@@ -160,8 +160,10 @@ def _linear_rows(lin, x):
     bias in the GEMM epilogue (run 9: kernel time 117.6 -> 114.6 ms/step).  But eagerly the addmm
     path costs more host time per call and the eager step became host-bound (126 -> 137 ms,
     runs 9-10), so it is used only while a CUDA graph is being captured (host cost then vanishes)."""
+    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return lin(x)
     pw = plain_weights(lin, x)
-    if pw is None or pw[1] is None or not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if pw is None or pw[1] is None:
         return lin(x)
     B, L, K = x.shape
     try:
