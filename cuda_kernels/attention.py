@@ -123,6 +123,7 @@ registry.register(OP, reference, doc=__doc__)
 import math
 import math as _math
 import os
+import re
 
 from . import runtime as _rt
 
@@ -1026,15 +1027,22 @@ def _make_kernel_wgp(D, has_mask, NWG=1, STAGES=3, maxreg=None, BN=32):
     return kern
 
 
-def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32):
+def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, FL=False):
     """Variant ``wgpp``: wgp (1 warpgroup, 32-key tiles, 3-stage ring) with FA3's intra-warpgroup
     overlap: S(j+1) = Q K(j+1)^T and O += P(j) V(j) are issued back to back, the softmax of tile
     j+1 runs after wgmma.wait_group 1 (S done) while P V still runs, then wait_group 0, rescale O,
     pack P(j+1).  Ring: tile j+2 loads while tiles j (V) and j+1 (K) are read.  NWG=2
     (``wgppx2``): two warpgroups / 128 rows share each K / V tile.  BN=64 (``wgpp64``): 32 KB per
     stage, 96 KB ring in DYNAMIC shared memory (cuKernelSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES,
-    set by the launcher before the first launch: _dyn_launch)."""
-    STAGES = 3
+    set by the launcher before the first launch: _dyn_launch).
+    STAGES: ring depth; tiles j (V) and j+1 (K) are read while the loads of tiles j+2 ..
+    j+STAGES-1 are in flight (the 2026-11-29 ablations: with 3 stages the kernel waits on its
+    K/V loads most of the time).
+    FL: full K/V tiles load through per-thread offsets computed once (no bounds checks, 32-bit
+    offsets added to one 64-bit tile base); the ragged last tile takes the checked path.
+    ABL (benchmark ablations, wrong results on purpose; 0 in the product): bit 1 skips the loop's
+    K/V loads and their wait, 2 the softmax (P = S), 4 the P V wgmma, 8 the loop's barrier."""
+    assert STAGES >= 3
     BM = 64 * NWG
     NTH = 128 * NWG
     CH = D // 8
@@ -1071,7 +1079,9 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32):
     DYN = STAGES * SB > 48 * 1024 and not _rt.SIMULATOR      # ring in dynamic shared memory
     RINGS = 0 if DYN else RINGW
     RALIGN = None if DYN else SMEM_ALIGN_WG
-    assert BM * D * 2 <= STAGES * SB and STAGES * SB <= 200 * 1024
+    assert BM * D * 2 <= STAGES * SB and STAGES * SB <= 227 * 1024
+    wait_prologue = _mma.cp_wait_n(STAGES - 2)     # tile 0 landed, tiles 1 .. S-2 in flight
+    wait_loop = _mma.cp_wait_n(STAGES - 3)         # tile j+1 landed
 
     @cuda.jit(device=True, inline=True)
     def load_tile(sm, sbase, g, gbase, gstride, r0, L, tid, NLOAD):
@@ -1175,13 +1185,21 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32):
             qf[kk * 4 + 3] = a3
         cuda.syncthreads()
         ntiles = (L + BN - 1) // BN
-        load_tile(sm, kb, k, kbase, ks2, 0, L, tid, LOADS)
-        load_tile(sm, kb + TB, v, vbase, vs2, 0, L, tid, LOADS)
-        cp_commit()
-        if ntiles > 1:
-            load_tile(sm, kb + SB, k, kbase, ks2, BN, L, tid, LOADS)
-            load_tile(sm, kb + SB + TB, v, vbase, vs2, BN, L, tid, LOADS)
-        cp_commit()
+        koff = cuda.local.array(LOADS, int32)
+        voff = cuda.local.array(LOADS, int32)
+        soff = cuda.local.array(LOADS, int32)
+        if FL:
+            for i in range(LOADS):
+                c = i * NTH + tid
+                rr = ((c // 8) // CH) * 8 + c % 8
+                koff[i] = rr * ks2 + ((c // 8) % CH) * 4
+                voff[i] = rr * vs2 + ((c // 8) % CH) * 4
+                soff[i] = ((c // 8) // CH) * GB + ((c // 8) % CH) * 128 + (c % 8) * 16
+        for i in range(STAGES - 1):     # one commit group per tile (empty past the last tile)
+            if i < ntiles:
+                load_tile(sm, kb + i * SB, k, kbase, ks2, i * BN, L, tid, LOADS)
+                load_tile(sm, kb + i * SB + TB, v, vbase, vs2, i * BN, L, tid, LOADS)
+            cp_commit()
 
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
@@ -1197,7 +1215,7 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32):
         row1 = row0 + 8
 
         # ---- tile 0: S, softmax, P
-        cp_wait1()
+        wait_prologue()
         fence_async()
         cuda.syncthreads()
         dk = DK_HI | (int64(kb) >> 4)
@@ -1211,13 +1229,23 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32):
             pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
 
         for j in range(ntiles):
-            cp_wait0()                  # tile j+1 landed
-            fence_async()
-            cuda.syncthreads()          # every warp is past P(j-1) V(j-1): stage (j+2) % 3 is free
-            if j + 2 < ntiles:
-                sn = (j + 2) % STAGES
-                load_tile(sm, kb + sn * SB, k, kbase, ks2, (j + 2) * BN, L, tid, LOADS)
-                load_tile(sm, kb + sn * SB + TB, v, vbase, vs2, (j + 2) * BN, L, tid, LOADS)
+            if not (ABL & 1):
+                wait_loop()             # tile j+1 landed
+            if not (ABL & 8):
+                fence_async()
+                cuda.syncthreads()      # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
+            t0 = (j + STAGES - 1) * BN
+            if FL and not (ABL & 1) and t0 + BN <= L:
+                sb = kb + ((j + STAGES - 1) % STAGES) * SB
+                kt = kbase + t0 * ks2
+                vt = vbase + t0 * vs2
+                for i in range(LOADS):
+                    cp_async16(sm, sb + soff[i], k, kt + koff[i], 16)
+                    cp_async16(sm, sb + TB + soff[i], v, vt + voff[i], 16)
+            elif not (ABL & 1) and t0 < L:
+                sn = (j + STAGES - 1) % STAGES
+                load_tile(sm, kb + sn * SB, k, kbase, ks2, (j + STAGES - 1) * BN, L, tid, LOADS)
+                load_tile(sm, kb + sn * SB + TB, v, vbase, vs2, (j + STAGES - 1) * BN, L, tid, LOADS)
             cp_commit()
             # No branches around the wgmma groups (ptxas serializes every wgmma of the kernel when
             # it cannot count the groups): the last iteration computes a phantom S(ntiles) from a
@@ -1230,12 +1258,17 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32):
                       dk + kk * 16, kk, sm, scr)
             wg_commit()
             dv = DV_HI | (int64(kb + (j % STAGES) * SB + TB) >> 4)
-            for kk in range(PT):
-                wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
-                      dv + kk * (2 * GB // 16), 1, sm, scr)
+            if not (ABL & 4):
+                for kk in range(PT):
+                    wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
+                          dv + kk * (2 * GB // 16), 1, sm, scr)
             wg_commit()
             wg_wait1()                  # S(j+1) done; P(j) V(j) may still run
-            softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, sl, es, scrf)
+            if ABL & 2:
+                st[4] = float32(1)
+                st[5] = float32(1)
+            else:
+                softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, sl, es, scrf)
             wg_wait0()
             al0 = st[4]
             al1 = st[5]
@@ -1283,8 +1316,21 @@ _W32 = {"w32": (4, None), "w32x2": (2, None), "w32x8": (8, None), "w32n32": (4, 
 # memory).  Hopper and (on the GPU) head dim 128 only like wg, else 4w.
 # Default: the "4w" in `_variant = os.environ.get("FLUX_ATTN_TILE", "4w")` below (e.g. "wgpp64" or
 # "w32"); other GPUs / head dims then fall back as described.
+# wgpp{BN}x{NWG}s{S}[f] (e.g. wgpp64x2s5f): _make_kernel_wgpp with BN-key tiles, NWG warpgroups, an
+# S-stage ring (the 3-stage ring waits on its loads: bench/gpu_attn_ablate.py), f: FL loads.
 _WGP = {"wgp": (1, 3), "wgp2": (1, 2), "wgpx2": (2, 3), "wgpr": (1, 3, 168), "wgpp": (1, 3),
-        "wgppr": (1, 3, 168), "wgppx2": (2, 3), "wgpp64": (1, 3)}
+        "wgppr": (1, 3, 168), "wgppx2": (2, 3), "wgpp64": (1, 3),
+        **{f"wgpp{bn}x{nwg}s{st}{f}": (nwg, st) for bn, nwg, st in (
+            (32, 1, 6), (64, 1, 5), (32, 2, 6), (64, 2, 4), (64, 2, 5), (64, 2, 6), (128, 2, 3))
+           for f in ("", "f")}}
+
+
+def _wgpp_cfg(nw):
+    """(maxreg, warpgroups, key-tile width, stages) of a _make_kernel_wgpp variant, else None."""
+    if nw in ("wgpp", "wgppr", "wgppx2", "wgpp64"):
+        return (168 if nw == "wgppr" else None, 2 if nw == "wgppx2" else 1, 64 if nw == "wgpp64" else 32, 3, False)
+    m = re.fullmatch(r"wgpp(\d+)x(\d)s(\d)(f?)", nw) if isinstance(nw, str) else None
+    return (None, int(m.group(2)), int(m.group(1)), int(m.group(3)), bool(m.group(4))) if m else None
 VARIANTS = {"4w": 4, "8w": 8, "wg": "wg", "wg2": "wg2", "wgr": "wgr", **{n: n for n in _W32},
             **{n: n for n in _WGP}}
 _variant = os.environ.get("FLUX_ATTN_TILE", "4w")
@@ -1304,7 +1350,8 @@ def _warps(D, dev=None):
     if nw in _W32:
         return nw
     if nw in _WGP:
-        return nw if _wg_ok(D, dev) and (32 * (D // 8)) % (128 * _WGP[nw][0]) == 0 else 4
+        bn = (_wgpp_cfg(nw) or (0, 0, 32))[2]
+        return nw if _wg_ok(D, dev) and (bn * (D // 8)) % (128 * _WGP[nw][0]) == 0 else 4
     if nw in ("wg", "wg2", "wgr"):
         return nw if _wg_ok(D, dev) and (64 * (D // 8)) % (256 if nw == "wg2" else 128) == 0 else 4
     return nw if (64 * (D // 8)) % (32 * nw) == 0 else 4  # 8 warps need D >= 32
@@ -1334,9 +1381,10 @@ def _kernel(D, has_mask, nw=4):
     kern = _kernels.get(key)
     if kern is None and nw in _W32:
         kern = _kernels[key] = _make_kernel32(D, bool(has_mask), *_W32[nw])
-    if kern is None and nw in ("wgpp", "wgppr", "wgppx2", "wgpp64"):
-        kern = _kernels[key] = _make_kernel_wgpp(D, bool(has_mask), 168 if nw == "wgppr" else None,
-                                                 2 if nw == "wgppx2" else 1, 64 if nw == "wgpp64" else 32)
+    cfg = _wgpp_cfg(nw)
+    if kern is None and cfg:
+        mr, nwg, bn, st, fl = cfg
+        kern = _kernels[key] = _make_kernel_wgpp(D, bool(has_mask), mr, nwg, bn, 0, st, fl)
     if kern is None and nw in _WGP:
         kern = _kernels[key] = _make_kernel_wgp(D, bool(has_mask), *_WGP[nw])
     if kern is None:
@@ -1465,6 +1513,16 @@ def numba_attention(q, k, v, mask=None, out=None):
     else:
         nth = {"wg": 128, "wgr": 128, "wg2": 256}.get(nw) or 32 * nw
         rows = {"wg": 64, "wgr": 64, "wg2": 128}.get(nw) or 16 * nw
+    _launch(kern, q, k, v, dst, marr, mst, rows, nth)
+    if out is not None and dst is not out:
+        out.copy_(dst)
+        return out
+    return dst
+
+
+def _launch(kern, q, k, v, dst, marr, mst, rows, nth):
+    """One launch of a bf16 attention kernel over [B, H, L, D] (grid: query-row blocks x B*H)."""
+    B, H, L, D = q.shape
     grid = ((L + rows - 1) // rows, B * H)
     sl2 = _LOG2E / _math.sqrt(D)
     args = (_words(q), _words(k), _words(v), _words(dst), marr,
@@ -1479,10 +1537,6 @@ def numba_attention(q, k, v, mask=None, out=None):
         kern[grid, nth, _rt.stream(), dyn](*args)
     else:
         kern[grid, nth, _rt.stream()](*args)
-    if out is not None and dst is not out:
-        out.copy_(dst)
-        return out
-    return dst
 
 
 # Opt-in (auto=False): on the H200 cuDNN's SDPA is 2.5x faster at FLUX shapes (BENCHMARKS.md), so

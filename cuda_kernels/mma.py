@@ -34,7 +34,7 @@ Helpers (same signatures on both paths):
   ldsm_x4(sm, addr, scr) / ldsm_x4_t(sm, addr, scr) -> (r0, r1, r2, r3)      int32 registers
   cp_async16(sm, saddr, gm, gword, nbytes)   16-byte global->shared copy, zero-filled past nbytes
                                              (0 or 16); gm: 1-D int32 global array
-  cp_commit(), cp_wait0(), cp_wait1()         cp.async group control
+  cp_commit(), cp_wait0(), cp_wait1()         cp.async group control (cp_wait_n(n): any depth)
   quad_max(x, scrf) / quad_sum(x, scrf)       reduce over the 4 lanes of a quad (xor 1, 2)
   pack_bf16(lo, hi) / pack_f16(lo, hi) -> int32   two fp32 -> bf16x2 / f16x2, round to nearest even
   bf16_lo(w) / bf16_hi(w) -> float32          unpack
@@ -635,3 +635,26 @@ else:
     @cuda.jit(device=True)
     def wg_wait1():
         pass
+
+
+# ---- cp.async.wait_group N for deeper cp.async rings (N = groups allowed to stay in flight)
+_cp_waits = {}
+
+
+def cp_wait_n(n):
+    """Device function waiting until at most ``n`` committed cp.async groups are pending
+    (``cp_wait_n(0)`` is ``cp_wait0``).  The simulator's copies are synchronous: a no-op there."""
+    f = _cp_waits.get(n)
+    if f is None:
+        if SIMULATOR:
+            @cuda.jit(device=True)
+            def f():
+                pass
+        else:
+            _w = _asm_void(f"cp.async.wait_group {int(n)};")
+
+            @cuda.jit(device=True, inline=True)
+            def f():
+                _w()
+        _cp_waits[n] = f
+    return f

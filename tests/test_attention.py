@@ -423,10 +423,13 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch):
 
 
 @pytest.mark.parametrize("var,L,masked", [("wgp", 100, True), ("wgpp", 100, True), ("wgpp", 20, False),
-                                           ("wgpp64", 100, False)])
+                                           ("wgpp64", 100, False), ("wgpp32x2s4f", 150, True),
+                                           ("wgpp32x2s6", 40, False)])
 def test_attention_numba_wgmma_pipelined(var, L, masked):
     # wgp: 3-stage ring over 4 KV tiles (stage 0 reused, ragged) with a bool mask; wgpp: S(j+1)
-    # issued with P(j) V(j), incl. the phantom tile after the last (one tile: L=20); wgpp64: 64-key tiles
+    # issued with P(j) V(j), incl. the phantom tile after the last (one tile: L=20); wgpp64: 64-key tiles;
+    # wgpp32x2s4f / s6: 2 warpgroups, 4-stage ring wrapping around (5 tiles, unchecked loads of the
+    # full ones, ragged, masked) / 6-stage ring longer than the sequence (2 tiles: empty groups)
     if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
     B, H, D = 1, 1, 32
