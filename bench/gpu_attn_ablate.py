@@ -4,10 +4,11 @@
     FLUX_ABL_CONFIGS=64x1s3,64x2s5,64x2s5f FLUX_ABL_FLAGS=0,1,2,3,4,7,15 python bench/gpu_attn_ablate.py
 
 A config "BNxNWGsS[f]" is the kernel's key-tile width, warpgroups per block (64 query rows each),
-ring stages and (f) unchecked full-tile loads (FL).
+ring stages and (f) unchecked full-tile loads (FL) or (b) K / V re-laid out by tile_kv (timed on its
+own row) and moved by bulk copies (BULK).
 Flags (the kernel's ABL bits; anything but 0 computes a wrong result on purpose, only its time
 counts): 1 = no K/V loads in the loop, 2 = no softmax (P = S), 4 = no P V wgmma, 8 = no barrier in
-the loop.  Each kernel is timed at the FLUX shape [1, 24, 4608, 128] as device time (10 launches in
+the loop, 16 = no proxy fence in the loop (a race).  Each kernel is timed at the FLUX shape [1, 24, 4608, 128] as device time (10 launches in
 one CUDA graph, median replay / 10), cuDNN SDPA timed the same way in the same process; flag 0 is
 also checked against an fp32 reference.  Prints a table last; JSON to $OUT if set.
 """
@@ -33,7 +34,7 @@ import _attn_common as AC  # noqa: E402
 AC.init(False)
 B, H, L, D = 1, 24, 4608, 128
 FLOP = 4 * B * H * L * L * D
-NAMES = {1: "noload", 2: "nosoftmax", 4: "noPV", 8: "nobarrier"}
+NAMES = {1: "noload", 2: "nosoftmax", 4: "noPV", 8: "nobarrier", 16: "nofence"}
 
 
 def main():
@@ -48,17 +49,24 @@ def main():
     marr = A._f32_1d(torch.zeros(1, dtype=torch.float32, device="cuda"))
     dst = torch.empty(B, L, H * D, dtype=torch.bfloat16, device="cuda")
     for cfg in configs:
-        m = re.fullmatch(r"(\d+)x(\d)s(\d)(f?)", cfg)
-        bn, nwg, stages, fl = int(m.group(1)), int(m.group(2)), int(m.group(3)), bool(m.group(4))
+        m = re.fullmatch(r"(\d+)x(\d)s(\d)([fb]?)", cfg)
+        bn, nwg, stages = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        fl, bulk = m.group(4) == "f", m.group(4) == "b"
+        kk, vv = k, v
+        if bulk:
+            kk, vv = A.tile_kv(k, bn), A.tile_kv(v, bn)
+            t = AC.graph_ms(lambda: (A.tile_kv(k, bn), A.tile_kv(v, bn)))
+            rows.append((f"tile_kv(k), (v) BN={bn}", "(relayout, per call)", t, float("nan")))
+            AC.note(f"tile_kv{bn}", ms=round(t, 4))
         for flag in flags:
             name = "+".join(NAMES[b] for b in NAMES if flag & b) or "full"
             try:
-                kern = A._make_kernel_wgpp(D, False, None, nwg, bn, flag, stages, fl)
-                run = lambda: A._launch(kern, q, k, v, dst, marr, [0, 0, 0], 64 * nwg, 128 * nwg)  # noqa: E731
+                kern = A._make_kernel_wgpp(D, False, None, nwg, bn, flag, stages, fl, bulk)
+                run = lambda: A._launch(kern, q, kk, vv, dst, marr, [0, 0, 0], 64 * nwg, 128 * nwg)  # noqa: E731
                 dst.fill_(float("nan"))
                 run()
                 torch.cuda.synchronize()
-                err = AC.rel(dst, ref) if flag == 0 else float("nan")
+                err = AC.rel(dst, ref) if flag in (0, 16) else float("nan")
                 t = AC.graph_ms(run)
                 rows.append((f"wgpp {cfg}", name, t, err))
                 AC.note(f"{cfg}/{name}", ms=round(t, 4), tflops=round(FLOP / t / 1e9, 1), err=err)

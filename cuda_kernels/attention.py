@@ -1027,7 +1027,7 @@ def _make_kernel_wgp(D, has_mask, NWG=1, STAGES=3, maxreg=None, BN=32):
     return kern
 
 
-def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, FL=False):
+def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, FL=False, BULK=False):
     """Variant ``wgpp``: wgp (1 warpgroup, 32-key tiles, 3-stage ring) with FA3's intra-warpgroup
     overlap: S(j+1) = Q K(j+1)^T and O += P(j) V(j) are issued back to back, the softmax of tile
     j+1 runs after wgmma.wait_group 1 (S done) while P V still runs, then wait_group 0, rescale O,
@@ -1038,10 +1038,15 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     STAGES: ring depth; tiles j (V) and j+1 (K) are read while the loads of tiles j+2 ..
     j+STAGES-1 are in flight (the 2026-11-29 ablations: with 3 stages the kernel waits on its
     K/V loads most of the time).
+    BULK: k and v are the TILED buffers of ``tile_kv`` (each BN-key tile = the TB bytes of its
+    shared-memory image, zero past L): thread 0 moves a tile with two cp.async.bulk copies that
+    complete on the stage's mbarrier, which every thread waits on -- no per-thread K/V loads (the
+    ablations: the cp.async loads alone take ~0.95 ms of the 3-stage x2 kernel's 1.0).
     FL: full K/V tiles load through per-thread offsets computed once (no bounds checks, 32-bit
     offsets added to one 64-bit tile base); the ragged last tile takes the checked path.
     ABL (benchmark ablations, wrong results on purpose; 0 in the product): bit 1 skips the loop's
-    K/V loads and their wait, 2 the softmax (P = S), 4 the P V wgmma, 8 the loop's barrier."""
+    K/V loads and their wait, 2 the softmax (P = S), 4 the P V wgmma, 8 the loop's barrier, 16 the
+    loop's generic -> async proxy fence (a race: timing only)."""
     assert STAGES >= 3
     BM = 64 * NWG
     NTH = 128 * NWG
@@ -1082,6 +1087,18 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     assert BM * D * 2 <= STAGES * SB and STAGES * SB <= 227 * 1024
     wait_prologue = _mma.cp_wait_n(STAGES - 2)     # tile 0 landed, tiles 1 .. S-2 in flight
     wait_loop = _mma.cp_wait_n(STAGES - 3)         # tile j+1 landed
+    TBW = TB // 4
+    MBW = 2 * STAGES if BULK else 2
+    MBALIGN = None if _rt.SIMULATOR else 8
+    mbar_init, mbar_expect_tx, mbar_wait = _mma.mbar_init, _mma.mbar_expect_tx, _mma.mbar_wait
+    fence_mbar_init, bulk_g2s = _mma.fence_mbar_init, _mma.bulk_g2s
+
+    @cuda.jit(device=True, inline=True)
+    def issue(sm, kb, mb, k, v, kbase, vbase, t, stage):
+        """Thread 0: tile t of the tiled K and V -> ring stage ``stage``, counted on its mbarrier."""
+        mbar_expect_tx(mb + 8 * stage, 2 * TB)
+        bulk_g2s(sm, kb + stage * SB, k, kbase + t * TBW, TB, mb + 8 * stage)
+        bulk_g2s(sm, kb + stage * SB + TB, v, vbase + t * TBW, TB, mb + 8 * stage)
 
     @cuda.jit(device=True, inline=True)
     def load_tile(sm, sbase, g, gbase, gstride, r0, L, tid, NLOAD):
@@ -1153,6 +1170,7 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
         sm = cuda.shared.array(RINGS, int32, alignment=RALIGN)   # 0: dynamic (DYN)
         scr = cuda.shared.array(SCRW, int32)
         scrf = cuda.shared.array(SCRF, float32)
+        mbs = cuda.shared.array(MBW, int32, alignment=MBALIGN)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -1195,11 +1213,22 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
                 koff[i] = rr * ks2 + ((c // 8) % CH) * 4
                 voff[i] = rr * vs2 + ((c // 8) % CH) * 4
                 soff[i] = ((c // 8) // CH) * GB + ((c // 8) % CH) * 128 + (c % 8) * 16
-        for i in range(STAGES - 1):     # one commit group per tile (empty past the last tile)
-            if i < ntiles:
-                load_tile(sm, kb + i * SB, k, kbase, ks2, i * BN, L, tid, LOADS)
-                load_tile(sm, kb + i * SB + TB, v, vbase, vs2, i * BN, L, tid, LOADS)
-            cp_commit()
+        mb = _mma.smem_base(mbs)
+        if BULK:
+            if tid == 0:
+                for i in range(STAGES):
+                    mbar_init(mb + 8 * i, 1)
+                fence_mbar_init()
+                fence_async()           # Q's ldmatrix reads (generic proxy) before bulk writes
+                for i in range(STAGES - 1):
+                    if i < ntiles:
+                        issue(sm, kb, mb, k, v, kbase, vbase, i, i)
+        else:
+            for i in range(STAGES - 1):     # one commit group per tile (empty past the last tile)
+                if i < ntiles:
+                    load_tile(sm, kb + i * SB, k, kbase, ks2, i * BN, L, tid, LOADS)
+                    load_tile(sm, kb + i * SB + TB, v, vbase, vs2, i * BN, L, tid, LOADS)
+                cp_commit()
 
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
@@ -1215,9 +1244,13 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
         row1 = row0 + 8
 
         # ---- tile 0: S, softmax, P
-        wait_prologue()
-        fence_async()
-        cuda.syncthreads()
+        if BULK:
+            cuda.syncthreads()          # mbarriers initialised (and the simulator's copies done)
+            mbar_wait(mb, 0)
+        else:
+            wait_prologue()
+            fence_async()
+            cuda.syncthreads()
         dk = DK_HI | (int64(kb) >> 4)
         wg_fence()
         for kk in range(KT):
@@ -1229,13 +1262,22 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
             pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
 
         for j in range(ntiles):
-            if not (ABL & 1):
+            if BULK:
+                if not (ABL & 1) and j + 1 < ntiles:
+                    mbar_wait(mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)   # tile j+1 landed
+                if not (ABL & 8):
+                    cuda.syncthreads()  # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
+            elif not (ABL & 1):
                 wait_loop()             # tile j+1 landed
-            if not (ABL & 8):
-                fence_async()
+            if not BULK and not (ABL & 8):
+                if not (ABL & 16):
+                    fence_async()
                 cuda.syncthreads()      # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
             t0 = (j + STAGES - 1) * BN
-            if FL and not (ABL & 1) and t0 + BN <= L:
+            if BULK:
+                if not (ABL & 1) and tid == 0 and t0 < L:
+                    issue(sm, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
+            elif FL and not (ABL & 1) and t0 + BN <= L:
                 sb = kb + ((j + STAGES - 1) % STAGES) * SB
                 kt = kbase + t0 * ks2
                 vt = vbase + t0 * vs2
@@ -1246,7 +1288,8 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
                 sn = (j + STAGES - 1) % STAGES
                 load_tile(sm, kb + sn * SB, k, kbase, ks2, (j + STAGES - 1) * BN, L, tid, LOADS)
                 load_tile(sm, kb + sn * SB + TB, v, vbase, vs2, (j + STAGES - 1) * BN, L, tid, LOADS)
-            cp_commit()
+            if not BULK:
+                cp_commit()
             # No branches around the wgmma groups (ptxas serializes every wgmma of the kernel when
             # it cannot count the groups): the last iteration computes a phantom S(ntiles) from a
             # stale stage; its columns are all >= L, so they become -3e38 before the max (NaN-proof),
@@ -1296,6 +1339,7 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
                 o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
 
     kern.dyn_smem = STAGES * SB if DYN else 0
+    kern.tile_kv = BN if BULK else 0       # the launcher passes tile_kv(k / v, BN)
     return kern
 
 
@@ -1317,20 +1361,23 @@ _W32 = {"w32": (4, None), "w32x2": (2, None), "w32x8": (8, None), "w32n32": (4, 
 # Default: the "4w" in `_variant = os.environ.get("FLUX_ATTN_TILE", "4w")` below (e.g. "wgpp64" or
 # "w32"); other GPUs / head dims then fall back as described.
 # wgpp{BN}x{NWG}s{S}[f] (e.g. wgpp64x2s5f): _make_kernel_wgpp with BN-key tiles, NWG warpgroups, an
-# S-stage ring (the 3-stage ring waits on its loads: bench/gpu_attn_ablate.py), f: FL loads.
+# S-stage ring (the 3-stage ring waits on its loads: bench/gpu_attn_ablate.py), f: FL loads,
+# b: BULK (K and V re-laid out by tile_kv, one bulk copy per tile).
 _WGP = {"wgp": (1, 3), "wgp2": (1, 2), "wgpx2": (2, 3), "wgpr": (1, 3, 168), "wgpp": (1, 3),
         "wgppr": (1, 3, 168), "wgppx2": (2, 3), "wgpp64": (1, 3),
         **{f"wgpp{bn}x{nwg}s{st}{f}": (nwg, st) for bn, nwg, st in (
-            (32, 1, 6), (64, 1, 5), (32, 2, 6), (64, 2, 4), (64, 2, 5), (64, 2, 6), (128, 2, 3))
-           for f in ("", "f")}}
+            (32, 1, 3), (32, 1, 6), (64, 1, 5), (32, 2, 4), (32, 2, 6), (64, 2, 4), (64, 2, 5), (64, 2, 6), (128, 2, 3))
+           for f in ("", "f", "b")}}
 
 
 def _wgpp_cfg(nw):
     """(maxreg, warpgroups, key-tile width, stages) of a _make_kernel_wgpp variant, else None."""
     if nw in ("wgpp", "wgppr", "wgppx2", "wgpp64"):
-        return (168 if nw == "wgppr" else None, 2 if nw == "wgppx2" else 1, 64 if nw == "wgpp64" else 32, 3, False)
-    m = re.fullmatch(r"wgpp(\d+)x(\d)s(\d)(f?)", nw) if isinstance(nw, str) else None
-    return (None, int(m.group(2)), int(m.group(1)), int(m.group(3)), bool(m.group(4))) if m else None
+        return (168 if nw == "wgppr" else None, 2 if nw == "wgppx2" else 1, 64 if nw == "wgpp64" else 32, 3,
+                False, False)
+    m = re.fullmatch(r"wgpp(\d+)x(\d)s(\d)([fb]?)", nw) if isinstance(nw, str) else None
+    return (None, int(m.group(2)), int(m.group(1)), int(m.group(3)), m.group(4) == "f",
+            m.group(4) == "b") if m else None
 VARIANTS = {"4w": 4, "8w": 8, "wg": "wg", "wg2": "wg2", "wgr": "wgr", **{n: n for n in _W32},
             **{n: n for n in _WGP}}
 _variant = os.environ.get("FLUX_ATTN_TILE", "4w")
@@ -1383,8 +1430,8 @@ def _kernel(D, has_mask, nw=4):
         kern = _kernels[key] = _make_kernel32(D, bool(has_mask), *_W32[nw])
     cfg = _wgpp_cfg(nw)
     if kern is None and cfg:
-        mr, nwg, bn, st, fl = cfg
-        kern = _kernels[key] = _make_kernel_wgpp(D, bool(has_mask), mr, nwg, bn, 0, st, fl)
+        mr, nwg, bn, st, fl, bulk = cfg
+        kern = _kernels[key] = _make_kernel_wgpp(D, bool(has_mask), mr, nwg, bn, 0, st, fl, bulk)
     if kern is None and nw in _WGP:
         kern = _kernels[key] = _make_kernel_wgp(D, bool(has_mask), *_WGP[nw])
     if kern is None:
@@ -1513,11 +1560,32 @@ def numba_attention(q, k, v, mask=None, out=None):
     else:
         nth = {"wg": 128, "wgr": 128, "wg2": 256}.get(nw) or 32 * nw
         rows = {"wg": 64, "wgr": 64, "wg2": 128}.get(nw) or 16 * nw
+    if getattr(kern, "tile_kv", 0):
+        k, v = tile_kv(k, kern.tile_kv), tile_kv(v, kern.tile_kv)
     _launch(kern, q, k, v, dst, marr, mst, rows, nth)
     if out is not None and dst is not out:
         out.copy_(dst)
         return out
     return dst
+
+
+def tile_kv(x, BN):
+    """[B, H, L, D] (last dim contiguous) -> [B, H, NT * BN, D] view of a new buffer in which every
+    BN-row tile is the byte image of its shared-memory layout in the wgmma kernels: 8-row x
+    16-byte core matrices ordered (row group, 16-byte column chunk, row, 8 values), rows past L
+    zero.  One bulk copy then moves a whole tile (``_make_kernel_wgpp(..., BULK=True)``)."""
+    B, H, L, D = x.shape
+    NT = -(-L // BN)
+    out = torch.empty((B, H, NT, BN // 8, D // 8, 8, 8), dtype=x.dtype, device=x.device)
+    full = L // BN
+    if full:
+        src = x[:, :, :full * BN].unflatten(2, (full, BN // 8, 8)).unflatten(-1, (D // 8, 8))
+        out[:, :, :full].copy_(src.permute(0, 1, 2, 3, 5, 4, 6))
+    if full < NT:
+        last = x.new_zeros(B, H, BN, D)
+        last[:, :, :L - full * BN] = x[:, :, full * BN:]
+        out[:, :, full].copy_(last.view(B, H, BN // 8, 8, D // 8, 8).permute(0, 1, 2, 4, 3, 5))
+    return out.view(B, H, NT * BN, D)
 
 
 def _launch(kern, q, k, v, dst, marr, mst, rows, nth):

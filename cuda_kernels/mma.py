@@ -658,3 +658,116 @@ def cp_wait_n(n):
                 _w()
         _cp_waits[n] = f
     return f
+
+
+# ---- Hopper bulk copies (cp.async.bulk: one instruction moves a contiguous block, written
+# through the async proxy, completion counted on an mbarrier) and mbarrier helpers.
+#   mbar_init(addr, count)             mbarrier.init (one thread), then fence_mbar_init() + barrier
+#   mbar_expect_tx(addr, nbytes)       arrive (count 1) and expect nbytes of bulk-copy data
+#   bulk_g2s(sm, saddr, gm, gword, nbytes, mbar)   global word gword.. -> shared byte address
+#                                      saddr, nbytes (multiple of 16, 16-byte aligned both sides)
+#   mbar_wait(addr, parity)            spin until the phase of that parity has completed
+# addr / saddr: 32-bit shared-window byte addresses (smem_base(array) + offset).  The simulator
+# copies synchronously and its mbarrier calls are no-ops (the kernel's barriers order it there).
+if not SIMULATOR:
+    @intrinsic
+    def _mbar_init(typingctx, addr, count):
+        sig = types.void(addr, count)
+
+        def codegen(context, builder, s, args):
+            a = [context.cast(builder, v, t, types.int32) for v, t in zip(args, s.args)]
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i32]),
+                               "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}", side_effect=True)
+            builder.call(asm, a)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def _mbar_expect_tx(typingctx, addr, nbytes):
+        sig = types.void(addr, nbytes)
+
+        def codegen(context, builder, s, args):
+            a = [context.cast(builder, v, t, types.int32) for v, t in zip(args, s.args)]
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i32]),
+                               "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}",
+                               side_effect=True)
+            builder.call(asm, a)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def _mbar_try_wait(typingctx, addr, parity):
+        sig = types.int32(addr, parity)
+
+        def codegen(context, builder, s, args):
+            a = [context.cast(builder, v, t, types.int32) for v, t in zip(args, s.args)]
+            asm = ir.InlineAsm(ir.FunctionType(_i32, [_i32, _i32]),
+                               "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
+                               "selp.u32 $0, 1, 0, p; }", "=r,r,r,~{memory}", side_effect=True)
+            return builder.call(asm, a)
+
+        return sig, codegen
+
+    @intrinsic
+    def _bulk_g2s(typingctx, saddr, gm, gword, nbytes, mbar):
+        sig = types.void(saddr, gm, gword, nbytes, mbar)
+
+        def codegen(context, builder, s, args):
+            sa = context.cast(builder, args[0], s.args[0], types.int32)
+            gp = builder.ptrtoint(_ptr(context, builder, s.args[1], args[1], s.args[2], args[2]), _i64)
+            n = context.cast(builder, args[3], s.args[3], types.int32)
+            mb = context.cast(builder, args[4], s.args[4], types.int32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i64, _i32, _i32]),
+                               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                               "[$0], [$1], $2, [$3];", "r,l,r,r,~{memory}", side_effect=True)
+            builder.call(asm, [sa, gp, n, mb])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    _fence_mbar_init = _asm_void("fence.mbarrier_init.release.cluster;")
+
+    @cuda.jit(device=True, inline=True)
+    def mbar_init(addr, count):
+        _mbar_init(addr, count)
+
+    @cuda.jit(device=True, inline=True)
+    def fence_mbar_init():
+        _fence_mbar_init()
+
+    @cuda.jit(device=True, inline=True)
+    def mbar_expect_tx(addr, nbytes):
+        _mbar_expect_tx(addr, nbytes)
+
+    @cuda.jit(device=True, inline=True)
+    def mbar_wait(addr, parity):
+        while _mbar_try_wait(addr, parity) == 0:
+            pass
+
+    @cuda.jit(device=True, inline=True)
+    def bulk_g2s(sm, saddr, gm, gword, nbytes, mbar):
+        _bulk_g2s(saddr, gm, gword, nbytes, mbar)
+else:
+    @cuda.jit(device=True)
+    def mbar_init(addr, count):
+        pass
+
+    @cuda.jit(device=True)
+    def fence_mbar_init():
+        pass
+
+    @cuda.jit(device=True)
+    def mbar_expect_tx(addr, nbytes):
+        pass
+
+    @cuda.jit(device=True)
+    def mbar_wait(addr, parity):
+        pass
+
+    @cuda.jit(device=True)
+    def bulk_g2s(sm, saddr, gm, gword, nbytes, mbar):
+        assert saddr % 16 == 0 and gword % 4 == 0 and nbytes % 16 == 0, "bulk copy needs 16-byte alignment"
+        for i in range(nbytes // 4):
+            sm[saddr // 4 + i] = gm[gword + i]

@@ -424,12 +424,13 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch):
 
 @pytest.mark.parametrize("var,L,masked", [("wgp", 100, True), ("wgpp", 100, True), ("wgpp", 20, False),
                                            ("wgpp64", 100, False), ("wgpp32x2s4f", 150, True),
-                                           ("wgpp32x2s6", 40, False)])
+                                           ("wgpp32x2s6", 40, False), ("wgpp32x1s3b", 100, True)])
 def test_attention_numba_wgmma_pipelined(var, L, masked):
     # wgp: 3-stage ring over 4 KV tiles (stage 0 reused, ragged) with a bool mask; wgpp: S(j+1)
     # issued with P(j) V(j), incl. the phantom tile after the last (one tile: L=20); wgpp64: 64-key tiles;
     # wgpp32x2s4f / s6: 2 warpgroups, 4-stage ring wrapping around (5 tiles, unchecked loads of the
-    # full ones, ragged, masked) / 6-stage ring longer than the sequence (2 tiles: empty groups)
+    # full ones, ragged, masked) / 6-stage ring longer than the sequence (2 tiles: empty groups);
+    # wgpp32x1s3b: K / V tiles through tile_kv and bulk copies (ragged, zero-padded last tile)
     if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
     B, H, D = 1, 1, 32
@@ -477,3 +478,23 @@ def test_fused_8bit_kernels_compile_for_sm90():
     if r.returncode and ("NVVM" in r.stderr or "nvvm" in r.stderr) and "PTX OK" not in r.stdout:
         pytest.skip("no NVVM here: " + r.stderr.strip().splitlines()[-1][:200])
     assert r.returncode == 0 and "PTX OK" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("L,BN", [(40, 32), (64, 64), (5, 16)])
+def test_tile_kv_layout(L, BN):
+    # every element lands at its shared-memory image position: byte (row // 8) * (D / 8) * 128 +
+    # (col // 8) * 128 + (row % 8) * 16 + (col % 8) * 2 of its tile; rows past L are zero
+    B, H, D = 2, 3, 32
+    x = torch.randn(B, H, L, D, device=DEV).to(torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
+    t = A.tile_kv(x, BN)
+    NT = -(-L // BN)
+    assert t.shape == (B, H, NT * BN, D)
+    flat = t.reshape(B, H, NT, BN * D).cpu()
+    want = torch.zeros(B, H, NT, BN * D, dtype=torch.bfloat16)
+    xc = x.cpu()
+    for r in range(L):
+        for c in range(D):
+            rr = r % BN
+            pos = ((rr // 8) * (D // 8) * 128 + (c // 8) * 128 + (rr % 8) * 16 + (c % 8) * 2) // 2
+            want[:, :, r // BN, pos] = xc[:, :, r, c]
+    assert torch.equal(flat, want)
