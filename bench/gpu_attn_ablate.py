@@ -5,7 +5,7 @@
 
 A config "BNxNWGsS[f]" is the kernel's key-tile width, warpgroups per block (64 query rows each),
 ring stages and (f) unchecked full-tile loads (FL) or (b) K / V re-laid out by tile_kv (timed on its
-own row) and moved by bulk copies (BULK).
+own row) and moved by bulk copies (BULK), or (w) the same fed by a producer warp (WS).
 Flags (the kernel's ABL bits; anything but 0 computes a wrong result on purpose, only its time
 counts): 1 = no K/V loads in the loop, 2 = no softmax (P = S), 4 = no P V wgmma, 8 = no barrier in
 the loop, 16 = no proxy fence in the loop (a race).  Each kernel is timed at the FLUX shape [1, 24, 4608, 128] as device time (10 launches in
@@ -49,20 +49,23 @@ def main():
     marr = A._f32_1d(torch.zeros(1, dtype=torch.float32, device="cuda"))
     dst = torch.empty(B, L, H * D, dtype=torch.bfloat16, device="cuda")
     for cfg in configs:
-        m = re.fullmatch(r"(\d+)x(\d)s(\d)([fb]?)", cfg)
+        m = re.fullmatch(r"(\d+)x(\d)s(\d)([fbw]?)", cfg)
         bn, nwg, stages = int(m.group(1)), int(m.group(2)), int(m.group(3))
-        fl, bulk = m.group(4) == "f", m.group(4) == "b"
+        fl, bulk, ws = m.group(4) == "f", m.group(4) in ("b", "w"), m.group(4) == "w"
         kk, vv = k, v
         if bulk:
-            kk, vv = A.tile_kv(k, bn), A.tile_kv(v, bn)
-            t = AC.graph_ms(lambda: (A.tile_kv(k, bn), A.tile_kv(v, bn)))
-            rows.append((f"tile_kv(k), (v) BN={bn}", "(relayout, per call)", t, float("nan")))
-            AC.note(f"tile_kv{bn}", ms=round(t, 4))
+            kk, vv = A.tile_kv(k, v, bn)
+            assert torch.equal(kk, A.tile_kv_reference(k, bn)) and torch.equal(vv, A.tile_kv_reference(v, bn))
+            t = AC.graph_ms(lambda: A.tile_kv(k, v, bn))
+            t2 = AC.graph_ms(lambda: (A.tile_kv_reference(k, bn), A.tile_kv_reference(v, bn)))
+            rows.append((f"tile_kv BN={bn}", "(relayout K+V, per call)", t, float("nan")))
+            rows.append((f"tile_kv_reference BN={bn}", "(torch relayout)", t2, float("nan")))
+            AC.note(f"tile_kv{bn}", ms=round(t, 4), torch_ms=round(t2, 4))
         for flag in flags:
             name = "+".join(NAMES[b] for b in NAMES if flag & b) or "full"
             try:
-                kern = A._make_kernel_wgpp(D, False, None, nwg, bn, flag, stages, fl, bulk)
-                run = lambda: A._launch(kern, q, kk, vv, dst, marr, [0, 0, 0], 64 * nwg, 128 * nwg)  # noqa: E731
+                kern = A._make_kernel_wgpp(D, False, None, nwg, bn, flag, stages, fl, bulk, ws)
+                run = lambda: A._launch(kern, q, kk, vv, dst, marr, [0, 0, 0], 64 * nwg, kern.nth)  # noqa: E731
                 dst.fill_(float("nan"))
                 run()
                 torch.cuda.synchronize()

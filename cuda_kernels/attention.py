@@ -1027,7 +1027,8 @@ def _make_kernel_wgp(D, has_mask, NWG=1, STAGES=3, maxreg=None, BN=32):
     return kern
 
 
-def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, FL=False, BULK=False):
+def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, FL=False, BULK=False,
+                      WS=False):
     """Variant ``wgpp``: wgp (1 warpgroup, 32-key tiles, 3-stage ring) with FA3's intra-warpgroup
     overlap: S(j+1) = Q K(j+1)^T and O += P(j) V(j) are issued back to back, the softmax of tile
     j+1 runs after wgmma.wait_group 1 (S done) while P V still runs, then wait_group 0, rescale O,
@@ -1042,6 +1043,9 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     shared-memory image, zero past L): thread 0 moves a tile with two cp.async.bulk copies that
     complete on the stage's mbarrier, which every thread waits on -- no per-thread K/V loads (the
     ablations: the cp.async loads alone take ~0.95 ms of the 3-stage x2 kernel's 1.0).
+    WS (with BULK): warp-specialised -- one extra warp (the block has 128 NWG + 32 threads) issues
+    every tile as soon as its stage is released on the stage's "empty" mbarrier (one arrive per
+    consumer warp after its P V wgmma), so the warpgroups never meet at a block barrier in the loop.
     FL: full K/V tiles load through per-thread offsets computed once (no bounds checks, 32-bit
     offsets added to one 64-bit tile base); the ragged last tile takes the checked path.
     ABL (benchmark ablations, wrong results on purpose; 0 in the product): bit 1 skips the loop's
@@ -1080,7 +1084,7 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     ldsm_x4 = _mma.ldsm_x4
     cp_async16, cp_commit, cp_wait0, cp_wait1 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0, _mma.cp_wait1
     quad_max, quad_sum, pack_bf16 = _mma.quad_max, _mma.quad_sum, _mma.pack_bf16
-    assert (BN * CH) % NTH == 0 and (BM * CH) % NTH == 0 and D % 16 == 0
+    assert (BULK or (BN * CH) % NTH == 0) and (BM * CH) % NTH == 0 and D % 16 == 0
     DYN = STAGES * SB > 48 * 1024 and not _rt.SIMULATOR      # ring in dynamic shared memory
     RINGS = 0 if DYN else RINGW
     RALIGN = None if DYN else SMEM_ALIGN_WG
@@ -1088,17 +1092,25 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     wait_prologue = _mma.cp_wait_n(STAGES - 2)     # tile 0 landed, tiles 1 .. S-2 in flight
     wait_loop = _mma.cp_wait_n(STAGES - 3)         # tile j+1 landed
     TBW = TB // 4
-    MBW = 2 * STAGES if BULK else 2
+    MBW = (4 if WS else 2) * STAGES if BULK else 2
+    EMPTY = 8 * STAGES                  # byte offset of the empty mbarriers (WS)
+    assert BULK or not WS
     MBALIGN = None if _rt.SIMULATOR else 8
     mbar_init, mbar_expect_tx, mbar_wait = _mma.mbar_init, _mma.mbar_expect_tx, _mma.mbar_wait
     fence_mbar_init, bulk_g2s = _mma.fence_mbar_init, _mma.bulk_g2s
 
+    ARRIVE_LAST = _mma.BULK_ARRIVE_LAST
+    mbar_arrive = _mma.mbar_arrive
+
     @cuda.jit(device=True, inline=True)
-    def issue(sm, kb, mb, k, v, kbase, vbase, t, stage):
-        """Thread 0: tile t of the tiled K and V -> ring stage ``stage``, counted on its mbarrier."""
-        mbar_expect_tx(mb + 8 * stage, 2 * TB)
+    def issue(sm, mbs, kb, mb, k, v, kbase, vbase, t, stage):
+        """One thread: tile t of the tiled K and V -> ring stage ``stage``, counted on its mbarrier."""
+        if not ARRIVE_LAST:
+            mbar_expect_tx(mbs, mb + 8 * stage, 2 * TB)
         bulk_g2s(sm, kb + stage * SB, k, kbase + t * TBW, TB, mb + 8 * stage)
         bulk_g2s(sm, kb + stage * SB + TB, v, vbase + t * TBW, TB, mb + 8 * stage)
+        if ARRIVE_LAST:
+            mbar_expect_tx(mbs, mb + 8 * stage, 2 * TB)
 
     @cuda.jit(device=True, inline=True)
     def load_tile(sm, sbase, g, gbase, gstride, r0, L, tid, NLOAD):
@@ -1162,6 +1174,8 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
         st[2] = st[2] * st[4] + ps0
         st[3] = st[3] * st[5] + ps1
 
+    if WS and maxreg is None and 65536 // (NTH + 32) < 255:
+        maxreg = 65536 // (NTH + 32) // 8 * 8      # 2 warpgroups + the producer warp: 224
     JIT = {} if (maxreg is None or _rt.SIMULATOR) else {"max_registers": maxreg}
 
     @cuda.jit(fastmath=True, **JIT)
@@ -1185,22 +1199,25 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
         sl = float32(sl2)
         es = float32(1) if HAS_MASK else sl
         kb = _mma.smem_base(sm)
-        qaddr = kb + (warp * 2 + j8 % 2) * GB + (j8 // 2) * 128 + l8 * 16
+        qaddr = kb + (min(warp, 4 * NWG - 1) * 2 + j8 % 2) * GB + (j8 // 2) * 128 + l8 * 16
         qbase = b * qs0 + h * qs1
         kbase = b * ks0 + h * ks1
         vbase = b * vs0 + h * vs1
 
-        load_tile(sm, kb, q, qbase, qs2, m0, L, tid, QLOADS)
+        if tid < NTH:
+            load_tile(sm, kb, q, qbase, qs2, m0, L, tid, QLOADS)
         cp_commit()
         cp_wait0()
         cuda.syncthreads()
         qf = cuda.local.array(QF, int32)
-        for kk in range(KT):
+        for kk in range(KT):            # (the producer warp too: the simulator's ldmatrix syncs the block)
             a0, a1, a2, a3 = ldsm_x4(sm, qaddr + kk * 256, scr)
             qf[kk * 4 + 0] = a0
             qf[kk * 4 + 1] = a1
             qf[kk * 4 + 2] = a2
             qf[kk * 4 + 3] = a3
+        if WS:
+            fence_async()               # these generic reads of stage 0 before its bulk writes
         cuda.syncthreads()
         ntiles = (L + BN - 1) // BN
         koff = cuda.local.array(LOADS, int32)
@@ -1214,15 +1231,29 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
                 voff[i] = rr * vs2 + ((c // 8) % CH) * 4
                 soff[i] = ((c // 8) // CH) * GB + ((c // 8) % CH) * 128 + (c % 8) * 16
         mb = _mma.smem_base(mbs)
-        if BULK:
+        if WS:
             if tid == 0:
                 for i in range(STAGES):
-                    mbar_init(mb + 8 * i, 1)
+                    mbar_init(mbs, mb + 8 * i, 1)
+                    mbar_init(mbs, mb + EMPTY + 8 * i, 4 * NWG)
+                fence_mbar_init()
+            cuda.syncthreads()
+            if tid >= NTH:              # the producer warp
+                if tid == NTH:
+                    for i in range(ntiles):
+                        if i >= STAGES:     # tile i - S released by every consumer warp
+                            mbar_wait(mbs, mb + EMPTY + 8 * (i % STAGES), ((i // STAGES) - 1) & 1)
+                        issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i % STAGES)
+                return
+        elif BULK:
+            if tid == 0:
+                for i in range(STAGES):
+                    mbar_init(mbs, mb + 8 * i, 1)
                 fence_mbar_init()
                 fence_async()           # Q's ldmatrix reads (generic proxy) before bulk writes
                 for i in range(STAGES - 1):
                     if i < ntiles:
-                        issue(sm, kb, mb, k, v, kbase, vbase, i, i)
+                        issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i)
         else:
             for i in range(STAGES - 1):     # one commit group per tile (empty past the last tile)
                 if i < ntiles:
@@ -1244,9 +1275,11 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
         row1 = row0 + 8
 
         # ---- tile 0: S, softmax, P
-        if BULK:
+        if WS:
+            mbar_wait(mbs, mb, 0)
+        elif BULK:
             cuda.syncthreads()          # mbarriers initialised (and the simulator's copies done)
-            mbar_wait(mb, 0)
+            mbar_wait(mbs, mb, 0)
         else:
             wait_prologue()
             fence_async()
@@ -1263,9 +1296,9 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
 
         for j in range(ntiles):
             if BULK:
-                if not (ABL & 1) and j + 1 < ntiles:
-                    mbar_wait(mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)   # tile j+1 landed
-                if not (ABL & 8):
+                if not (ABL & 1) and j + 1 < ntiles:    # tile j+1 landed
+                    mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
+                if not WS and not (ABL & 8):
                     cuda.syncthreads()  # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
             elif not (ABL & 1):
                 wait_loop()             # tile j+1 landed
@@ -1275,8 +1308,8 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
                 cuda.syncthreads()      # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
             t0 = (j + STAGES - 1) * BN
             if BULK:
-                if not (ABL & 1) and tid == 0 and t0 < L:
-                    issue(sm, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
+                if not WS and not (ABL & 1) and tid == 0 and t0 < L:
+                    issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
             elif FL and not (ABL & 1) and t0 + BN <= L:
                 sb = kb + ((j + STAGES - 1) % STAGES) * SB
                 kt = kbase + t0 * ks2
@@ -1313,6 +1346,8 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
             else:
                 softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, sl, es, scrf)
             wg_wait0()
+            if WS and lane == 0:
+                mbar_arrive(mbs, mb + EMPTY + 8 * (j % STAGES))    # this warp is done with tile j
             al0 = st[4]
             al1 = st[5]
             if al0 < float32(1):
@@ -1340,6 +1375,8 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
 
     kern.dyn_smem = STAGES * SB if DYN else 0
     kern.tile_kv = BN if BULK else 0       # the launcher passes tile_kv(k / v, BN)
+    kern.nth = NTH + (32 if WS else 0)
+    kern.rows = BM
     return kern
 
 
@@ -1362,22 +1399,22 @@ _W32 = {"w32": (4, None), "w32x2": (2, None), "w32x8": (8, None), "w32n32": (4, 
 # "w32"); other GPUs / head dims then fall back as described.
 # wgpp{BN}x{NWG}s{S}[f] (e.g. wgpp64x2s5f): _make_kernel_wgpp with BN-key tiles, NWG warpgroups, an
 # S-stage ring (the 3-stage ring waits on its loads: bench/gpu_attn_ablate.py), f: FL loads,
-# b: BULK (K and V re-laid out by tile_kv, one bulk copy per tile).
+# b: BULK (K and V re-laid out by tile_kv, one bulk copy per tile), w: BULK + WS (producer warp).
 _WGP = {"wgp": (1, 3), "wgp2": (1, 2), "wgpx2": (2, 3), "wgpr": (1, 3, 168), "wgpp": (1, 3),
         "wgppr": (1, 3, 168), "wgppx2": (2, 3), "wgpp64": (1, 3),
         **{f"wgpp{bn}x{nwg}s{st}{f}": (nwg, st) for bn, nwg, st in (
-            (32, 1, 3), (32, 1, 6), (64, 1, 5), (32, 2, 4), (32, 2, 6), (64, 2, 4), (64, 2, 5), (64, 2, 6), (128, 2, 3))
-           for f in ("", "f", "b")}}
+            (32, 1, 3), (32, 2, 3), (32, 1, 6), (64, 1, 5), (32, 2, 4), (32, 2, 6), (64, 2, 4), (64, 2, 5), (64, 2, 6), (128, 2, 3))
+           for f in ("", "f", "b", "w")}}
 
 
 def _wgpp_cfg(nw):
     """(maxreg, warpgroups, key-tile width, stages) of a _make_kernel_wgpp variant, else None."""
     if nw in ("wgpp", "wgppr", "wgppx2", "wgpp64"):
         return (168 if nw == "wgppr" else None, 2 if nw == "wgppx2" else 1, 64 if nw == "wgpp64" else 32, 3,
-                False, False)
-    m = re.fullmatch(r"wgpp(\d+)x(\d)s(\d)([fb]?)", nw) if isinstance(nw, str) else None
+                False, False, False)
+    m = re.fullmatch(r"wgpp(\d+)x(\d)s(\d)([fbw]?)", nw) if isinstance(nw, str) else None
     return (None, int(m.group(2)), int(m.group(1)), int(m.group(3)), m.group(4) == "f",
-            m.group(4) == "b") if m else None
+            m.group(4) in "bw" and m.group(4) != "", m.group(4) == "w") if m else None
 VARIANTS = {"4w": 4, "8w": 8, "wg": "wg", "wg2": "wg2", "wgr": "wgr", **{n: n for n in _W32},
             **{n: n for n in _WGP}}
 _variant = os.environ.get("FLUX_ATTN_TILE", "4w")
@@ -1397,8 +1434,9 @@ def _warps(D, dev=None):
     if nw in _W32:
         return nw
     if nw in _WGP:
-        bn = (_wgpp_cfg(nw) or (0, 0, 32))[2]
-        return nw if _wg_ok(D, dev) and (bn * (D // 8)) % (128 * _WGP[nw][0]) == 0 else 4
+        cfg = _wgpp_cfg(nw) or (0, 0, 32, 3, False, False, False)
+        loads_ok = cfg[5] or (cfg[2] * (D // 8)) % (128 * _WGP[nw][0]) == 0   # bulk: no per-thread K/V loads
+        return nw if _wg_ok(D, dev) and loads_ok else 4
     if nw in ("wg", "wg2", "wgr"):
         return nw if _wg_ok(D, dev) and (64 * (D // 8)) % (256 if nw == "wg2" else 128) == 0 else 4
     return nw if (64 * (D // 8)) % (32 * nw) == 0 else 4  # 8 warps need D >= 32
@@ -1430,8 +1468,8 @@ def _kernel(D, has_mask, nw=4):
         kern = _kernels[key] = _make_kernel32(D, bool(has_mask), *_W32[nw])
     cfg = _wgpp_cfg(nw)
     if kern is None and cfg:
-        mr, nwg, bn, st, fl, bulk = cfg
-        kern = _kernels[key] = _make_kernel_wgpp(D, bool(has_mask), mr, nwg, bn, 0, st, fl, bulk)
+        mr, nwg, bn, st, fl, bulk, ws = cfg
+        kern = _kernels[key] = _make_kernel_wgpp(D, bool(has_mask), mr, nwg, bn, 0, st, fl, bulk, ws)
     if kern is None and nw in _WGP:
         kern = _kernels[key] = _make_kernel_wgp(D, bool(has_mask), *_WGP[nw])
     if kern is None:
@@ -1555,13 +1593,13 @@ def numba_attention(q, k, v, mask=None, out=None):
         nth = 32 * _W32[nw][0]
         rows = 32 * _W32[nw][0]
     elif nw in _WGP:
-        nth = 128 * _WGP[nw][0]
+        nth = getattr(kern, "nth", 128 * _WGP[nw][0])
         rows = 64 * _WGP[nw][0]
     else:
         nth = {"wg": 128, "wgr": 128, "wg2": 256}.get(nw) or 32 * nw
         rows = {"wg": 64, "wgr": 64, "wg2": 128}.get(nw) or 16 * nw
     if getattr(kern, "tile_kv", 0):
-        k, v = tile_kv(k, kern.tile_kv), tile_kv(v, kern.tile_kv)
+        k, v = tile_kv(k, v, kern.tile_kv)
     _launch(kern, q, k, v, dst, marr, mst, rows, nth)
     if out is not None and dst is not out:
         out.copy_(dst)
@@ -1569,11 +1607,13 @@ def numba_attention(q, k, v, mask=None, out=None):
     return dst
 
 
-def tile_kv(x, BN):
+def tile_kv_reference(x, BN):
     """[B, H, L, D] (last dim contiguous) -> [B, H, NT * BN, D] view of a new buffer in which every
     BN-row tile is the byte image of its shared-memory layout in the wgmma kernels: 8-row x
     16-byte core matrices ordered (row group, 16-byte column chunk, row, 8 values), rows past L
-    zero.  One bulk copy then moves a whole tile (``_make_kernel_wgpp(..., BULK=True)``)."""
+    zero.  One bulk copy then moves a whole tile (``_make_kernel_wgpp(..., BULK=True)``).
+    (The layout does not depend on BN beyond the zero padding to NT * BN rows.)  torch version:
+    two permuting copies, ~1.5 TB/s on the H200; ``tile_kv`` is the one-launch Numba kernel."""
     B, H, L, D = x.shape
     NT = -(-L // BN)
     out = torch.empty((B, H, NT, BN // 8, D // 8, 8, 8), dtype=x.dtype, device=x.device)
@@ -1586,6 +1626,78 @@ def tile_kv(x, BN):
         last[:, :, :L - full * BN] = x[:, :, full * BN:]
         out[:, :, full].copy_(last.view(B, H, BN // 8, 8, D // 8, 8).permute(0, 1, 2, 4, 3, 5))
     return out.view(B, H, NT * BN, D)
+
+
+_tile_kern = None
+
+
+def _tile_kernel():
+    """One launch re-lays out K and V (grid y = 2): a thread moves 16-byte chunks as two 8-byte
+    words; lanes walk the 8 rows of a core matrix first, then its 16-byte columns, so a warp
+    reads 8 rows x 64 bytes and writes 512 contiguous bytes."""
+    global _tile_kern
+    if _tile_kern is None:
+        @cuda.jit(fastmath=True)
+        def kern(k, v, kt, vt, ks0, ks1, ks2, vs0, vs1, vs2, L, H, CH, G, total):
+            src = k if cuda.blockIdx.y == 0 else v
+            dst = kt if cuda.blockIdx.y == 0 else vt
+            s0 = ks0 if cuda.blockIdx.y == 0 else vs0
+            s1 = ks1 if cuda.blockIdx.y == 0 else vs1
+            s2 = ks2 if cuda.blockIdx.y == 0 else vs2
+            c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+            step = cuda.gridDim.x * cuda.blockDim.x
+            while c < total:               # c = ((bh * G + grp) * CH + cc) * 8 + r8
+                r8 = c % 8
+                rest = c // 8
+                cc = rest % CH
+                rest //= CH
+                grp = rest % G
+                bh = rest // G
+                row = grp * 8 + r8
+                b = bh // H
+                o = c * 2                  # 8-byte words: the destination is the chunk order
+                if row < L:
+                    i = (b * s0 + (bh - b * H) * s1 + row * s2) + cc * 2
+                    dst[o] = src[i]
+                    dst[o + 1] = src[i + 1]
+                else:
+                    dst[o] = int64(0)
+                    dst[o + 1] = int64(0)
+                c += step
+
+        _tile_kern = kern
+    return _tile_kern
+
+
+def _dwords(t):
+    """1-D int64 view spanning a 16-bit tensor (last dim contiguous, 4-element aligned)."""
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    span = -(-span // 4) * 4
+    flat = torch.as_strided(t, (span,), (1,), t.storage_offset()).view(torch.int64)
+    if _rt.SIMULATOR:
+        return flat.detach().numpy()
+    from numba import cuda
+    return cuda.as_cuda_array(flat.detach(), sync=False)
+
+
+def tile_kv(k, v, BN):
+    """``tile_kv_reference`` of k and v in one Numba launch -> (kt, vt)."""
+    B, H, L, D = k.shape
+    NT = -(-L // BN)
+    outs = [torch.empty((B, H, NT * BN, D), dtype=k.dtype, device=k.device) for _ in range(2)]
+    ok = all(x.stride(-1) == 1 and all(st % 4 == 0 for st in x.stride()[:-1]) and x.storage_offset() % 4 == 0
+             for x in (k, v))
+    if not ok:
+        k, v = k.contiguous(), v.contiguous()
+    CH = D // 8
+    G = NT * BN // 8
+    total = B * H * G * CH * 8
+    grid = (_rt.grid_for(total, 256, 8), 2)
+    _tile_kernel()[grid, 256, _rt.stream()](
+        _dwords(k), _dwords(v), _dwords(outs[0]), _dwords(outs[1]),
+        k.stride(0) // 4, k.stride(1) // 4, k.stride(2) // 4, v.stride(0) // 4, v.stride(1) // 4,
+        v.stride(2) // 4, L, H, CH, G, total)
+    return outs[0], outs[1]
 
 
 def _launch(kern, q, k, v, dst, marr, mst, rows, nth):

@@ -369,6 +369,21 @@ else:
 
     import threading
 
+    _gbar = {}
+    _gbar_lock = threading.Lock()
+
+    def _group_sync(size):
+        """Barrier of the ``size`` threads (a warp: 32, a warpgroup: 128) holding this thread: the
+        hardware ops emulated here synchronise only those, and a warp-specialised kernel's
+        producer warp never calls them (a block-wide syncthreads would deadlock on it)."""
+        tid = _tid()
+        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, tid // size, size)
+        with _gbar_lock:
+            b = _gbar.get(key)
+            if b is None:
+                b = _gbar[key] = threading.Barrier(size)
+        b.wait()
+
     # where each element of a warp's A (16 x K) / B (K x 8) lives: word = lane * 6 + register,
     # shift = which bits (the fragment layouts in the module docstring); E = elements per register
     def _tables(E):
@@ -407,7 +422,7 @@ else:
         w = base + lane * 6
         for i in range(6):
             scr[w + i] = regs[i]
-        cuda.syncthreads()
+        _group_sync(32)
         words = np.asarray(scr[base:base + 192]).astype(np.int64).astype(np.uint32)
         aw, ash, bw, bsh = _T8 if kind == "s8" else _T16
         a = _decode(words, aw, ash, kind)
@@ -438,7 +453,7 @@ else:
         base = _slot(MAX_THREADS * 6) + tid - lane
         assert addr % 16 == 0, "ldmatrix row address must be 16-byte aligned"
         scr[base + lane] = addr // 4
-        cuda.syncthreads()
+        _group_sync(32)
         g, t = lane // 4, lane % 4
         out = []
         for j in range(4):
@@ -485,7 +500,7 @@ else:
         lane = tid % 32
         base = _slot(MAX_THREADS) + tid - lane
         scrf[base + lane] = x
-        cuda.syncthreads()
+        _group_sync(32)
         q = base + (lane // 4) * 4
         vals = [scrf[q + i] for i in range(4)]
         # same association as the xor-1 then xor-2 butterfly
@@ -538,7 +553,7 @@ else:
         th = threading.current_thread()
         n = getattr(th, "_wg_n", 0)
         th._wg_n = n + 1
-        cuda.syncthreads()
+        _group_sync(128)
         # the product is computed once per warpgroup call (by whichever thread comes first)
         key = (id(scr), cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, tid - wt, n)
         with _wg_lock:
@@ -661,14 +676,20 @@ def cp_wait_n(n):
 
 
 # ---- Hopper bulk copies (cp.async.bulk: one instruction moves a contiguous block, written
-# through the async proxy, completion counted on an mbarrier) and mbarrier helpers.
-#   mbar_init(addr, count)             mbarrier.init (one thread), then fence_mbar_init() + barrier
-#   mbar_expect_tx(addr, nbytes)       arrive (count 1) and expect nbytes of bulk-copy data
+# through the async proxy, completion counted on an mbarrier), mbarriers and named barriers.
+#   mbar_init(mbs, addr, count)        mbarrier.init (one thread), then fence_mbar_init() + barrier
+#   mbar_expect_tx(mbs, addr, nbytes)  arrive (count 1) and expect nbytes of bulk-copy data
+#   mbar_arrive(mbs, addr)             plain arrive
+#   mbar_wait(mbs, addr, parity)       spin until the phase of that parity has completed
 #   bulk_g2s(sm, saddr, gm, gword, nbytes, mbar)   global word gword.. -> shared byte address
 #                                      saddr, nbytes (multiple of 16, 16-byte aligned both sides)
-#   mbar_wait(addr, parity)            spin until the phase of that parity has completed
-# addr / saddr: 32-bit shared-window byte addresses (smem_base(array) + offset).  The simulator
-# copies synchronously and its mbarrier calls are no-ops (the kernel's barriers order it there).
+#   named_sync(id, nthreads)           bar.sync id, nthreads (a barrier for a subset of warps)
+# mbs: the int32 shared array holding the mbarriers (8 bytes each); addr / saddr: 32-bit
+# shared-window byte addresses (smem_base(array) + offset).  In the simulator the copies are
+# synchronous and an mbarrier is emulated in its two words (pending count; phase << 16 | count),
+# with waits that yield to the other simulated threads -- so ``issue`` must arrive AFTER its
+# copies there (``BULK_ARRIVE_LAST``); on the GPU the expect-tx arrive goes first.
+BULK_ARRIVE_LAST = SIMULATOR
 if not SIMULATOR:
     @intrinsic
     def _mbar_init(typingctx, addr, count):
@@ -683,16 +704,33 @@ if not SIMULATOR:
 
         return sig, codegen
 
+    def _asm_2i(text):
+        @intrinsic
+        def _impl(typingctx, a0, a1):
+            sig = types.void(a0, a1)
+
+            def codegen(context, builder, s, args):
+                a = [context.cast(builder, v, t, types.int32) for v, t in zip(args, s.args)]
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i32]), text, "r,r,~{memory}",
+                                   side_effect=True)
+                builder.call(asm, a)
+                return context.get_dummy_value()
+
+            return sig, codegen
+        return _impl
+
+    _mbar_expect_tx = _asm_2i("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;")
+    _named_sync = _asm_2i("bar.sync $0, $1;")
+
     @intrinsic
-    def _mbar_expect_tx(typingctx, addr, nbytes):
-        sig = types.void(addr, nbytes)
+    def _mbar_arrive(typingctx, addr):
+        sig = types.void(addr)
 
         def codegen(context, builder, s, args):
-            a = [context.cast(builder, v, t, types.int32) for v, t in zip(args, s.args)]
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i32]),
-                               "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}",
-                               side_effect=True)
-            builder.call(asm, a)
+            a = context.cast(builder, args[0], s.args[0], types.int32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32]),
+                               "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}", side_effect=True)
+            builder.call(asm, [a])
             return context.get_dummy_value()
 
         return sig, codegen
@@ -730,7 +768,7 @@ if not SIMULATOR:
     _fence_mbar_init = _asm_void("fence.mbarrier_init.release.cluster;")
 
     @cuda.jit(device=True, inline=True)
-    def mbar_init(addr, count):
+    def mbar_init(mbs, addr, count):
         _mbar_init(addr, count)
 
     @cuda.jit(device=True, inline=True)
@@ -738,36 +776,69 @@ if not SIMULATOR:
         _fence_mbar_init()
 
     @cuda.jit(device=True, inline=True)
-    def mbar_expect_tx(addr, nbytes):
+    def mbar_expect_tx(mbs, addr, nbytes):
         _mbar_expect_tx(addr, nbytes)
 
     @cuda.jit(device=True, inline=True)
-    def mbar_wait(addr, parity):
+    def mbar_arrive(mbs, addr):
+        _mbar_arrive(addr)
+
+    @cuda.jit(device=True, inline=True)
+    def mbar_wait(mbs, addr, parity):
         while _mbar_try_wait(addr, parity) == 0:
             pass
 
     @cuda.jit(device=True, inline=True)
     def bulk_g2s(sm, saddr, gm, gword, nbytes, mbar):
         _bulk_g2s(saddr, gm, gword, nbytes, mbar)
+
+    @cuda.jit(device=True, inline=True)
+    def named_sync(bar_id, nthreads):
+        _named_sync(bar_id, nthreads)
 else:
+    import threading as _threading
+    import time as _time
+
+    _named = {}
+    _named_lock = _threading.Lock()
+
     @cuda.jit(device=True)
-    def mbar_init(addr, count):
-        pass
+    def mbar_init(mbs, addr, count):
+        mbs[addr // 4] = count
+        mbs[addr // 4 + 1] = count
 
     @cuda.jit(device=True)
     def fence_mbar_init():
         pass
 
     @cuda.jit(device=True)
-    def mbar_expect_tx(addr, nbytes):
-        pass
+    def mbar_arrive(mbs, addr):
+        w = addr // 4
+        if cuda.atomic.sub(mbs, w, 1) == 1:         # last arrival: reset the count, flip the phase
+            mbs[w] = mbs[w + 1] & 0xFFFF
+            cuda.atomic.add(mbs, w + 1, 1 << 16)
 
     @cuda.jit(device=True)
-    def mbar_wait(addr, parity):
-        pass
+    def mbar_expect_tx(mbs, addr, nbytes):
+        mbar_arrive(mbs, addr)                      # the copies already happened (synchronous)
+
+    @cuda.jit(device=True)
+    def mbar_wait(mbs, addr, parity):
+        while ((mbs[addr // 4 + 1] >> 16) & 1) == parity:
+            _time.sleep(1e-4)
 
     @cuda.jit(device=True)
     def bulk_g2s(sm, saddr, gm, gword, nbytes, mbar):
         assert saddr % 16 == 0 and gword % 4 == 0 and nbytes % 16 == 0, "bulk copy needs 16-byte alignment"
         for i in range(nbytes // 4):
             sm[saddr // 4 + i] = gm[gword + i]
+
+    @cuda.jit(device=True)
+    def named_sync(bar_id, nthreads):
+        # a reusable barrier per (block, id) for nthreads simulated threads
+        key = (tuple(cuda.blockIdx), bar_id)
+        with _named_lock:
+            b = _named.get(key)
+            if b is None or b.parties != nthreads:
+                b = _named[key] = _threading.Barrier(nthreads)
+        b.wait()

@@ -424,13 +424,15 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch):
 
 @pytest.mark.parametrize("var,L,masked", [("wgp", 100, True), ("wgpp", 100, True), ("wgpp", 20, False),
                                            ("wgpp64", 100, False), ("wgpp32x2s4f", 150, True),
-                                           ("wgpp32x2s6", 40, False), ("wgpp32x1s3b", 100, True)])
+                                           ("wgpp32x2s6", 40, False), ("wgpp32x1s3b", 100, True),
+                                           ("wgpp32x2s3w", 150, True), ("wgpp32x1s3w", 20, False)])
 def test_attention_numba_wgmma_pipelined(var, L, masked):
     # wgp: 3-stage ring over 4 KV tiles (stage 0 reused, ragged) with a bool mask; wgpp: S(j+1)
     # issued with P(j) V(j), incl. the phantom tile after the last (one tile: L=20); wgpp64: 64-key tiles;
     # wgpp32x2s4f / s6: 2 warpgroups, 4-stage ring wrapping around (5 tiles, unchecked loads of the
     # full ones, ragged, masked) / 6-stage ring longer than the sequence (2 tiles: empty groups);
-    # wgpp32x1s3b: K / V tiles through tile_kv and bulk copies (ragged, zero-padded last tile)
+    # wgpp32x1s3b: K / V tiles through tile_kv and bulk copies (ragged, zero-padded last tile);
+    # wgpp32x2s3w / 32x1s3w: the same fed by a producer warp (ring wraps; one tile + phantom)
     if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
     B, H, D = 1, 1, 32
@@ -486,7 +488,9 @@ def test_tile_kv_layout(L, BN):
     # (col // 8) * 128 + (row % 8) * 16 + (col % 8) * 2 of its tile; rows past L are zero
     B, H, D = 2, 3, 32
     x = torch.randn(B, H, L, D, device=DEV).to(torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
-    t = A.tile_kv(x, BN)
+    t = A.tile_kv_reference(x, BN)
+    kt, vt = A.tile_kv(x, (x * 2).to(torch.bfloat16), BN)      # the Numba kernel: both equal the reference
+    assert torch.equal(kt, t) and torch.equal(vt, A.tile_kv_reference((x * 2).to(torch.bfloat16), BN))
     NT = -(-L // BN)
     assert t.shape == (B, H, NT * BN, D)
     flat = t.reshape(B, H, NT, BN * D).cpu()
