@@ -11,6 +11,7 @@ importable -- COMFYUI_PATH or .carry/ComfyUI -- else the pack's standalone model
   pack-torch    the pack's block functions, stock op order, every op forced to torch
   exact         fused op order, ops on 'auto' (Numba where it is measured faster), attention SDPA
   exact+attn    as exact, attention on 'auto' too (bf16 Numba flash attention if it wins)
+  bf16-attn     as exact, bf16 Numba flash attention forced (wgmma kernel on Hopper)
   fast          as exact, 8-bit Numba attention
   ...+graph     the same forward captured once as a CUDA graph and replayed (no launch gaps)
 Timing: CUDA events around one forward (= one sampling step), warm-up, median of repeats;
@@ -162,7 +163,8 @@ def main():
             gf = GraphedForward(lambda xin, tin: eager(xin, tin), module=model)
             return lambda xin=None, tin=None: gf(x if xin is None else xin, t if tin is None else tin)
         policy = {"stock": None, "pack-torch": {"*": "torch"}, "exact": {"*": "auto", "attention": "torch"},
-                  "exact+attn": {"*": "auto", "attention": "auto"}, "fast": {"*": "auto", "attention": "numba-8bit"}}[variant]
+                  "exact+attn": {"*": "auto", "attention": "auto"}, "fast": {"*": "auto", "attention": "numba-8bit"},
+                  "bf16-attn": {"*": "auto", "attention": "numba"}}[variant]
         fused = variant not in ("stock", "pack-torch")
         bctx = BlockContext(fused=fused, gemm_epilogue=fused)
 

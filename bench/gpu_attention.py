@@ -6,10 +6,11 @@
     FLUX_ATTN_VARIANTS=4w,8w,wg,wgr,wg2 FLUX_ATTN_8BIT_VARIANTS=mma,wg,wgr ...   # kernels to compare
     FLUX_ATTN_CHECK_ALL=1 ...                                      # check every case with every variant
     FLUX_ATTN_FULL=w32,w32x8,wgpp,wgpp64 ...     # variants checked on every case (others: FLUX shape only)
-Default bf16 variants: 4w (default kernel, 16 rows/warp) and the 32-rows-per-warp family w32 (4 warps,
-128-row blocks), w32x8 (8 warps), w32n16 (16-key tiles, no spills); opt-in: w32x2 (2 warps), w32e
+Default bf16 variants: auto (the op's default: wgpp128x2s3b on Hopper at head dim 128, else 4w) and 4w
+(mma.sync, 16 rows/warp); opt-in: the 32-rows-per-warp family w32 (4 warps, 128-row blocks),
+w32x8 (8 warps), w32n16 (16-key tiles, no spills), w32x2 (2 warps), w32e
 (w32 rescaling O on every tile), w32n32.  Hopper wgmma variants (FLUX_ATTN_WG_VARIANTS, default
-wgpp,wgpp64,wgppr; opt-in wgppx2, wgp, wgpr, wgpx2, wgp2, wg, wgr, wg2) run in a child process after the
+empty; e.g. wgpp,wgpp64,wgppr,wgppx2, wgp, wgpr, wgpx2, wgp2, wg, wgr, wg2) run in a child process after the
 FLUX-shape step, so that a faulting kernel cannot poison the CUDA context of the main measurement
 (its rows are merged into the table; FLUX_ATTN_WG_VARIANTS= skips it).  The FLUX shape is
 also timed as device time (10 launches inside one CUDA graph, replayed: no Python launch cost).
@@ -85,17 +86,17 @@ BACKENDS = [b for b in ("numba", "numba-8bit") if b in registry.backends("attent
 # backend labels; "numba@8w" = the numba backend with the 8-warp (128 x 64) tiling variant.
 # FLUX_ATTN_VARIANTS (default "4w,8w"): bf16 tilings to compare ("wg" / "wg2" = Hopper wgmma kernel
 # with 1 / 2 warpgroups per block); FLUX_ATTN_8BIT_VARIANTS (default "mma"): 8-bit kernels.
-VARS = [x for x in os.environ.get("FLUX_ATTN_VARIANTS", "4w,w32,w32x8,w32n16").split(",") if x]
+VARS = [x for x in os.environ.get("FLUX_ATTN_VARIANTS", "auto,4w").split(",") if x]
 FULL = [x for x in os.environ.get("FLUX_ATTN_FULL", "w32,w32x8,wgpp,wgpp64").split(",") if x]
 # Hopper wgmma variants run in a child process (a faulting kernel poisons its CUDA context only),
 # after the FLUX-shape check + timing of the variants above; FLUX_ATTN_WG_VARIANTS= skips them.
-WGVARS = [x for x in os.environ.get("FLUX_ATTN_WG_VARIANTS", "wgpp,wgpp64,wgppr").split(",") if x]
+WGVARS = [x for x in os.environ.get("FLUX_ATTN_WG_VARIANTS", "").split(",") if x]
 CHILD = os.environ.get("FLUX_ATTN_CHILD") == "1"
 if CHILD:
     VARS, BACKENDS = WGVARS, ["numba"]
 VARS8 = [x for x in os.environ.get("FLUX_ATTN_8BIT_VARIANTS", "mma").split(",") if x]
 CHECK_ALL = os.environ.get("FLUX_ATTN_CHECK_ALL") == "1"   # check every case with every variant
-LABELS = [("numba" if v == "4w" else f"numba@{v}", "numba", v) for v in VARS] if "numba" in BACKENDS else []
+LABELS = [("numba" if v == "auto" else f"numba@{v}", "numba", v) for v in VARS] if "numba" in BACKENDS else []
 LABELS += [("numba-8bit" if v == "mma" else f"numba-8bit@{v}", "numba-8bit", "8:" + v)
            for v in VARS8 if "numba-8bit" in BACKENDS]
 
@@ -106,7 +107,7 @@ def variant(v):
             A.set_variant8(v[2:])
         else:
             A.set_variant(v)
-            if v == "4w" and hasattr(A, "set_variant8"):
+            if v in ("4w", "auto") and hasattr(A, "set_variant8"):
                 A.set_variant8("mma")
     except Exception as ex:  # older attention.py without variants
         print("set_variant failed:", ex)
@@ -129,7 +130,7 @@ def check_case(name, B, H, L, D, mask=None, qk_scale=1.0, seed=0, out_view=False
     r32 = ref32(q, k, v, mask)
     e16 = rel(sdpa16(q, k, v, mask), r32)
     for label, be, var in LABELS:
-        if var not in ("4w", "8:mma") and var not in FULL and not CHECK_ALL and not name.startswith("[1,24,4608"):
+        if var not in ("auto", "4w", "8:mma") and var not in FULL and not CHECK_ALL and not name.startswith("[1,24,4608"):
             continue
         variant(var)
         try:
@@ -154,7 +155,7 @@ def check_case(name, B, H, L, D, mask=None, qk_scale=1.0, seed=0, out_view=False
             note(f"check {name} {label}", error=f"{type(ex).__name__}: {ex}")
             rows.append((f"check {name}", label, f"{type(ex).__name__}", "FAIL"))
         finally:
-            variant("4w")
+            variant("auto")
     del q, k, v, r32
     torch.cuda.empty_cache()
 
@@ -194,7 +195,7 @@ def bench_case(name, B, H, L, D):
         traceback.print_exc()
         rows.append((f"time {name}", "sdpa", type(ex).__name__, "ERR"))
     for label, be, var in LABELS:
-        if be == "numba" and var not in ("4w",) and var not in FULL and not CHECK_ALL and not GRAPH:
+        if be == "numba" and var not in ("auto", "4w") and var not in FULL and not CHECK_ALL and not GRAPH:
             continue
         variant(var)
         try:
@@ -232,7 +233,7 @@ def bench_case(name, B, H, L, D):
             traceback.print_exc()
             rows.append((f"time {name}", label, type(ex).__name__, "ERR"))
         finally:
-            variant("4w")
+            variant("auto")
     del q, k, v
     torch.cuda.empty_cache()
 

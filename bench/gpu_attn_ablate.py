@@ -5,7 +5,8 @@
 
 A config "BNxNWGsS[f]" is the kernel's key-tile width, warpgroups per block (64 query rows each),
 ring stages and (f) unchecked full-tile loads (FL) or (b) K / V re-laid out by tile_kv (timed on its
-own row) and moved by bulk copies (BULK), or (w) the same fed by a producer warp (WS).
+own row) and moved by bulk copies (BULK), or (w) the same fed by a producer warp (WS), or (e) with
+stage releases on mbarriers instead of a block barrier (REL).
 Flags (the kernel's ABL bits; anything but 0 computes a wrong result on purpose, only its time
 counts): 1 = no K/V loads in the loop, 2 = no softmax (P = S), 4 = no P V wgmma, 8 = no barrier in
 the loop, 16 = no proxy fence in the loop (a race).  Each kernel is timed at the FLUX shape [1, 24, 4608, 128] as device time (10 launches in
@@ -49,9 +50,9 @@ def main():
     marr = A._f32_1d(torch.zeros(1, dtype=torch.float32, device="cuda"))
     dst = torch.empty(B, L, H * D, dtype=torch.bfloat16, device="cuda")
     for cfg in configs:
-        m = re.fullmatch(r"(\d+)x(\d)s(\d)([fbw]?)", cfg)
+        m = re.fullmatch(r"(\d+)x(\d)s(\d)([fbwe]?)", cfg)
         bn, nwg, stages = int(m.group(1)), int(m.group(2)), int(m.group(3))
-        fl, bulk, ws = m.group(4) == "f", m.group(4) in ("b", "w"), m.group(4) == "w"
+        fl, bulk, ws, rel = m.group(4) == "f", m.group(4) in ("b", "w", "e"), m.group(4) == "w", m.group(4) == "e"
         kk, vv = k, v
         if bulk:
             kk, vv = A.tile_kv(k, v, bn)
@@ -64,12 +65,17 @@ def main():
         for flag in flags:
             name = "+".join(NAMES[b] for b in NAMES if flag & b) or "full"
             try:
-                kern = A._make_kernel_wgpp(D, False, None, nwg, bn, flag, stages, fl, bulk, ws)
+                kern = A._make_kernel_wgpp(D, False, None, nwg, bn, flag, stages, fl, bulk, ws, rel)
                 run = lambda: A._launch(kern, q, kk, vv, dst, marr, [0, 0, 0], 64 * nwg, kern.nth)  # noqa: E731
                 dst.fill_(float("nan"))
                 run()
                 torch.cuda.synchronize()
                 err = AC.rel(dst, ref) if flag in (0, 16) else float("nan")
+                try:
+                    regs = list(kern.get_regs_per_thread().values())
+                except Exception as e:
+                    regs = repr(e)
+                print(f"{cfg}/{flag}: registers {regs}, threads {kern.nth}", flush=True)
                 t = AC.graph_ms(run)
                 rows.append((f"wgpp {cfg}", name, t, err))
                 AC.note(f"{cfg}/{name}", ms=round(t, 4), tflops=round(FLOP / t / 1e9, 1), err=err)

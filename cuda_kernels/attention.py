@@ -1028,7 +1028,7 @@ def _make_kernel_wgp(D, has_mask, NWG=1, STAGES=3, maxreg=None, BN=32):
 
 
 def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, FL=False, BULK=False,
-                      WS=False):
+                      WS=False, REL=False):
     """Variant ``wgpp``: wgp (1 warpgroup, 32-key tiles, 3-stage ring) with FA3's intra-warpgroup
     overlap: S(j+1) = Q K(j+1)^T and O += P(j) V(j) are issued back to back, the softmax of tile
     j+1 runs after wgmma.wait_group 1 (S done) while P V still runs, then wait_group 0, rescale O,
@@ -1046,6 +1046,8 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     WS (with BULK): warp-specialised -- one extra warp (the block has 128 NWG + 32 threads) issues
     every tile as soon as its stage is released on the stage's "empty" mbarrier (one arrive per
     consumer warp after its P V wgmma), so the warpgroups never meet at a block barrier in the loop.
+    REL (with BULK, without WS): the same release protocol without the extra warp -- thread 0
+    waits for tile j-1's release before it issues tile j+S-1, and the loop has no block barrier.
     FL: full K/V tiles load through per-thread offsets computed once (no bounds checks, 32-bit
     offsets added to one 64-bit tile base); the ragged last tile takes the checked path.
     ABL (benchmark ablations, wrong results on purpose; 0 in the product): bit 1 skips the loop's
@@ -1092,7 +1094,8 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     wait_prologue = _mma.cp_wait_n(STAGES - 2)     # tile 0 landed, tiles 1 .. S-2 in flight
     wait_loop = _mma.cp_wait_n(STAGES - 3)         # tile j+1 landed
     TBW = TB // 4
-    MBW = (4 if WS else 2) * STAGES if BULK else 2
+    REL = REL or WS                     # stages released through the empty mbarriers
+    MBW = (4 if REL else 2) * STAGES if BULK else 2
     EMPTY = 8 * STAGES                  # byte offset of the empty mbarriers (WS)
     assert BULK or not WS
     MBALIGN = None if _rt.SIMULATOR else 8
@@ -1174,9 +1177,9 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
         st[2] = st[2] * st[4] + ps0
         st[3] = st[3] * st[5] + ps1
 
-    if WS and maxreg is None and 65536 // (NTH + 32) < 255:
-        maxreg = 65536 // (NTH + 32) // 8 * 8      # 2 warpgroups + the producer warp: 224
     JIT = {} if (maxreg is None or _rt.SIMULATOR) else {"max_registers": maxreg}
+    if WS and not _rt.SIMULATOR:    # 288 threads: ptxas must fit 65536 / 288 registers (224)
+        JIT["launch_bounds"] = (NTH + 32, 1)
 
     @cuda.jit(fastmath=True, **JIT)
     def kern(q, k, v, o, mask, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1,
@@ -1249,6 +1252,8 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
             if tid == 0:
                 for i in range(STAGES):
                     mbar_init(mbs, mb + 8 * i, 1)
+                    if REL:
+                        mbar_init(mbs, mb + EMPTY + 8 * i, 4 * NWG)
                 fence_mbar_init()
                 fence_async()           # Q's ldmatrix reads (generic proxy) before bulk writes
                 for i in range(STAGES - 1):
@@ -1298,7 +1303,7 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
             if BULK:
                 if not (ABL & 1) and j + 1 < ntiles:    # tile j+1 landed
                     mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
-                if not WS and not (ABL & 8):
+                if not REL and not (ABL & 8):
                     cuda.syncthreads()  # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
             elif not (ABL & 1):
                 wait_loop()             # tile j+1 landed
@@ -1308,7 +1313,11 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
                 cuda.syncthreads()      # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
             t0 = (j + STAGES - 1) * BN
             if BULK:
-                if not WS and not (ABL & 1) and tid == 0 and t0 < L:
+                if REL and not WS and not (ABL & 1) and tid == 0 and t0 < L:
+                    if j >= 1:          # tile j-1 (this stage's last tile) released by every warp
+                        mbar_wait(mbs, mb + EMPTY + 8 * ((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
+                    issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
+                elif not REL and not (ABL & 1) and tid == 0 and t0 < L:
                     issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
             elif FL and not (ABL & 1) and t0 + BN <= L:
                 sb = kb + ((j + STAGES - 1) % STAGES) * SB
@@ -1346,7 +1355,7 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
             else:
                 softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, sl, es, scrf)
             wg_wait0()
-            if WS and lane == 0:
+            if REL and lane == 0:
                 mbar_arrive(mbs, mb + EMPTY + 8 * (j % STAGES))    # this warp is done with tile j
             al0 = st[4]
             al1 = st[5]
@@ -1395,31 +1404,37 @@ _W32 = {"w32": (4, None), "w32x2": (2, None), "w32x8": (8, None), "w32n32": (4, 
 # (warpgroups, ring stages, register cap: wgpr 168 = 3 blocks / SM); wgpp / wgppr / wgppx2 / wgpp64:
 # _make_kernel_wgpp (softmax overlapped with P V; wgpp64: 64-key tiles, 96 KB of dynamic shared
 # memory).  Hopper and (on the GPU) head dim 128 only like wg, else 4w.
-# Default: the "4w" in `_variant = os.environ.get("FLUX_ATTN_TILE", "4w")` below (e.g. "wgpp64" or
+# Default: "auto" (below; FLUX_ATTN_TILE=<name> forces one, e.g. "4w", "wgpp64" or
 # "w32"); other GPUs / head dims then fall back as described.
 # wgpp{BN}x{NWG}s{S}[f] (e.g. wgpp64x2s5f): _make_kernel_wgpp with BN-key tiles, NWG warpgroups, an
 # S-stage ring (the 3-stage ring waits on its loads: bench/gpu_attn_ablate.py), f: FL loads,
-# b: BULK (K and V re-laid out by tile_kv, one bulk copy per tile), w: BULK + WS (producer warp).
+# b: BULK (K and V re-laid out by tile_kv, one bulk copy per tile), w: BULK + WS (producer warp),
+# e: BULK + REL (stages released on mbarriers, no block barrier in the loop).
 _WGP = {"wgp": (1, 3), "wgp2": (1, 2), "wgpx2": (2, 3), "wgpr": (1, 3, 168), "wgpp": (1, 3),
         "wgppr": (1, 3, 168), "wgppx2": (2, 3), "wgpp64": (1, 3),
         **{f"wgpp{bn}x{nwg}s{st}{f}": (nwg, st) for bn, nwg, st in (
             (32, 1, 3), (32, 2, 3), (32, 1, 6), (64, 1, 5), (32, 2, 4), (32, 2, 6), (64, 2, 4), (64, 2, 5), (64, 2, 6), (128, 2, 3))
-           for f in ("", "f", "b", "w")}}
+           for f in ("", "f", "b", "w", "e")}}
 
 
 def _wgpp_cfg(nw):
     """(maxreg, warpgroups, key-tile width, stages) of a _make_kernel_wgpp variant, else None."""
     if nw in ("wgpp", "wgppr", "wgppx2", "wgpp64"):
         return (168 if nw == "wgppr" else None, 2 if nw == "wgppx2" else 1, 64 if nw == "wgpp64" else 32, 3,
-                False, False, False)
-    m = re.fullmatch(r"wgpp(\d+)x(\d)s(\d)([fbw]?)", nw) if isinstance(nw, str) else None
+                False, False, False, False)
+    m = re.fullmatch(r"wgpp(\d+)x(\d)s(\d)([fbwe]?)", nw) if isinstance(nw, str) else None
     return (None, int(m.group(2)), int(m.group(1)), int(m.group(3)), m.group(4) == "f",
-            m.group(4) in "bw" and m.group(4) != "", m.group(4) == "w") if m else None
+            m.group(4) in ("b", "w", "e"), m.group(4) == "w", m.group(4) == "e") if m else None
 VARIANTS = {"4w": 4, "8w": 8, "wg": "wg", "wg2": "wg2", "wgr": "wgr", **{n: n for n in _W32},
             **{n: n for n in _WGP}}
-_variant = os.environ.get("FLUX_ATTN_TILE", "4w")
+# "auto" (default): wgpp128x2s3b (wgmma, 128 x 128 tiles, K / V re-laid out by tile_kv and moved
+# by bulk copies: 0.56 + 0.05 ms at the FLUX shape on the H200, bench/gpu_attn_ablate.py) where
+# the wgmma kernels run (Hopper, head dim 128), else 4w.
+VARIANTS["auto"] = "auto"
+_AUTO_WG = "wgpp128x2s3b"
+_variant = os.environ.get("FLUX_ATTN_TILE", "auto")
 if _variant not in VARIANTS:
-    _variant = "4w"
+    _variant = "auto"
 
 
 def set_variant(name):
@@ -1431,10 +1446,12 @@ def set_variant(name):
 
 def _warps(D, dev=None):
     nw = VARIANTS[_variant]
+    if nw == "auto":
+        nw = _AUTO_WG if _wg_ok(D, dev) and not _rt.SIMULATOR else 4
     if nw in _W32:
         return nw
     if nw in _WGP:
-        cfg = _wgpp_cfg(nw) or (0, 0, 32, 3, False, False, False)
+        cfg = _wgpp_cfg(nw) or (0, 0, 32, 3, False, False, False, False)
         loads_ok = cfg[5] or (cfg[2] * (D // 8)) % (128 * _WGP[nw][0]) == 0   # bulk: no per-thread K/V loads
         return nw if _wg_ok(D, dev) and loads_ok else 4
     if nw in ("wg", "wg2", "wgr"):
@@ -1468,8 +1485,8 @@ def _kernel(D, has_mask, nw=4):
         kern = _kernels[key] = _make_kernel32(D, bool(has_mask), *_W32[nw])
     cfg = _wgpp_cfg(nw)
     if kern is None and cfg:
-        mr, nwg, bn, st, fl, bulk, ws = cfg
-        kern = _kernels[key] = _make_kernel_wgpp(D, bool(has_mask), mr, nwg, bn, 0, st, fl, bulk, ws)
+        mr, nwg, bn, st, fl, bulk, ws, rel = cfg
+        kern = _kernels[key] = _make_kernel_wgpp(D, bool(has_mask), mr, nwg, bn, 0, st, fl, bulk, ws, rel)
     if kern is None and nw in _WGP:
         kern = _kernels[key] = _make_kernel_wgp(D, bool(has_mask), *_WGP[nw])
     if kern is None:

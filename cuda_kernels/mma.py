@@ -60,7 +60,7 @@ from . import runtime
 SIMULATOR = runtime.SIMULATOR
 
 # scratch sizes a kernel must allocate (per block) for the simulator fallbacks
-MAX_THREADS = 256
+MAX_THREADS = 288           # 2 warpgroups + a producer warp
 SCR_WORDS = 2 * MAX_THREADS * 6 if SIMULATOR else 1
 SCRF_WORDS = 2 * MAX_THREADS if SIMULATOR else 1
 
@@ -450,7 +450,7 @@ else:
     def _ldsm_sim(sm, addr, scr, trans):
         tid = _tid()
         lane = tid % 32
-        base = _slot(MAX_THREADS * 6) + tid - lane
+        base = _slot(MAX_THREADS * 6) + (tid - lane) * 6     # inside this warp's 192 words
         assert addr % 16 == 0, "ldmatrix row address must be 16-byte aligned"
         scr[base + lane] = addr // 4
         _group_sync(32)
@@ -547,7 +547,7 @@ else:
     def _wg_sim(acc, regs, desc, scale_d, sm, scr, N, transb, kind="bf16"):
         tid = _tid()
         wt = tid % 128
-        base = _slot(MAX_THREADS * 6) + (tid - wt) * 4
+        base = _slot(MAX_THREADS * 6) + (tid - wt) * 6       # inside this warpgroup's 4 x 192 words
         for i in range(4):
             scr[base + wt * 4 + i] = regs[i]
         th = threading.current_thread()

@@ -197,7 +197,7 @@ def test_attention_numba_8warp_variant():
     try:
         o = run_numba("numba", q, k, v)
     finally:
-        A.set_variant("4w")
+        A.set_variant("auto")
     assert not torch.isnan(o).any()
     assert rel(o, ref32(q, k, v)) < 1.2e-2
 
@@ -320,7 +320,7 @@ def test_attention_numba_wgmma_variants(var):
         out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
         run_numba("numba", q, k, v, out=out)
     finally:
-        A.set_variant("4w")
+        A.set_variant("auto")
     assert not torch.isnan(out).any()
     assert rel(out, ref32(q, k, v)) < 1.2e-2
 
@@ -347,7 +347,7 @@ def _run_variant(var, q, k, v, mask=None, out=None):
     try:
         return run_numba("numba", q, k, v, mask, out=out)
     finally:
-        A.set_variant("4w")
+        A.set_variant("auto")
 
 
 @pytest.mark.parametrize("var,B,H,L,D,masked", [
@@ -425,14 +425,16 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch):
 @pytest.mark.parametrize("var,L,masked", [("wgp", 100, True), ("wgpp", 100, True), ("wgpp", 20, False),
                                            ("wgpp64", 100, False), ("wgpp32x2s4f", 150, True),
                                            ("wgpp32x2s6", 40, False), ("wgpp32x1s3b", 100, True),
-                                           ("wgpp32x2s3w", 150, True), ("wgpp32x1s3w", 20, False)])
+                                           ("wgpp32x2s3w", 150, True), ("wgpp32x1s3w", 20, False),
+                                           ("wgpp32x2s3e", 150, True)])
 def test_attention_numba_wgmma_pipelined(var, L, masked):
     # wgp: 3-stage ring over 4 KV tiles (stage 0 reused, ragged) with a bool mask; wgpp: S(j+1)
     # issued with P(j) V(j), incl. the phantom tile after the last (one tile: L=20); wgpp64: 64-key tiles;
     # wgpp32x2s4f / s6: 2 warpgroups, 4-stage ring wrapping around (5 tiles, unchecked loads of the
     # full ones, ragged, masked) / 6-stage ring longer than the sequence (2 tiles: empty groups);
     # wgpp32x1s3b: K / V tiles through tile_kv and bulk copies (ragged, zero-padded last tile);
-    # wgpp32x2s3w / 32x1s3w: the same fed by a producer warp (ring wraps; one tile + phantom)
+    # wgpp32x2s3w / 32x1s3w: the same fed by a producer warp (ring wraps; one tile + phantom);
+    # wgpp32x2s3e: stage releases on mbarriers, no block barrier in the loop
     if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
     B, H, D = 1, 1, 32
@@ -502,3 +504,31 @@ def test_tile_kv_layout(L, BN):
             pos = ((rr // 8) * (D // 8) * 128 + (c // 8) * 128 + (rr % 8) * 16 + (c % 8) * 2) // 2
             want[:, :, r // BN, pos] = xc[:, :, r, c]
     assert torch.equal(flat, want)
+
+
+@pytest.mark.parametrize("B,H,L,masked,strided", [(1, 2, 300, False, False), (2, 3, 1000, True, True),
+                                                  (1, 1, 128, False, True), (1, 1, 5, True, False)])
+def test_attention_numba_default_hopper_d128(B, H, L, masked, strided):
+    # the op's default on Hopper at head dim 128 (FLUX): wgpp128x2s3b -- tile_kv + bulk copies;
+    # ragged tails, one partial tile, masks, FLUX's strided q/k/v views, an out view
+    if runtime.SIMULATOR:
+        pytest.skip("GPU only: the simulator runs this kernel's code at head dim 32 "
+                    "(test_attention_numba_wgmma_pipelined)")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs sm_90")
+    D = 128
+    g = torch.Generator(device=DEV).manual_seed(L + B)
+    if strided:   # [B, L, 3, H, D] like a qkv projection, viewed as [B, H, L, D]
+        qkv = torch.randn(B, L, 3, H, D, device=DEV, generator=g).to(torch.bfloat16)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    else:
+        q, k, v = make(B, H, L, D, seed=L)
+    assert A._warps(D, q.device) == "wgpp128x2s3b"
+    mask = bool_mask(L, 7, 1) if masked else None
+    buf = torch.full((B, L, H * D + 64), float("nan"), dtype=torch.bfloat16, device=DEV)
+    out = run_numba("numba", q, k, v, mask, out=buf[..., :H * D])
+    assert out.data_ptr() == buf.data_ptr() and torch.isnan(buf[..., H * D:]).all()
+    assert not torch.isnan(out).any()
+    r = ref32(q, k, v, mask)
+    e, e16 = rel(out, r), rel(A.reference(q, k, v, mask).float(), r)
+    assert e <= 1.1 * e16 + 1e-4, (e, e16)
