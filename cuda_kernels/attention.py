@@ -1219,7 +1219,7 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
             qf[kk * 4 + 1] = a1
             qf[kk * 4 + 2] = a2
             qf[kk * 4 + 3] = a3
-        if WS:
+        if BULK:
             fence_async()               # these generic reads of stage 0 before its bulk writes
         cuda.syncthreads()
         ntiles = (L + BN - 1) // BN
@@ -1255,7 +1255,6 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
                     if REL:
                         mbar_init(mbs, mb + EMPTY + 8 * i, 4 * NWG)
                 fence_mbar_init()
-                fence_async()           # Q's ldmatrix reads (generic proxy) before bulk writes
                 for i in range(STAGES - 1):
                     if i < ntiles:
                         issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i)

@@ -5,6 +5,7 @@ the same fragment layouts, so these tests exercise the kernel's real indexing, t
 tails, masking and online softmax.
 """
 import math
+import os
 
 import pytest
 import torch
@@ -531,4 +532,7 @@ def test_attention_numba_default_hopper_d128(B, H, L, masked, strided):
     assert not torch.isnan(out).any()
     r = ref32(q, k, v, mask)
     e, e16 = rel(out, r), rel(A.reference(q, k, v, mask).float(), r)
-    assert e <= 1.1 * e16 + 1e-4, (e, e16)
+    # bar: cuDNN SDPA's bf16 error x 1.1; torch's math SDPA (FLUX_TEST_MATH_SDPA=1, under the
+    # sanitizers) rounds less (0.17% vs 0.22% here), so it gets x 1.5
+    slack = 1.5 if os.environ.get("FLUX_TEST_MATH_SDPA") == "1" else 1.1
+    assert e <= slack * e16 + 1e-4, (e, e16)
