@@ -691,19 +691,6 @@ def cp_wait_n(n):
 # copies there (``BULK_ARRIVE_LAST``); on the GPU the expect-tx arrive goes first.
 BULK_ARRIVE_LAST = SIMULATOR
 if not SIMULATOR:
-    @intrinsic
-    def _mbar_init(typingctx, addr, count):
-        sig = types.void(addr, count)
-
-        def codegen(context, builder, s, args):
-            a = [context.cast(builder, v, t, types.int32) for v, t in zip(args, s.args)]
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i32]),
-                               "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}", side_effect=True)
-            builder.call(asm, a)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
     def _asm_2i(text):
         @intrinsic
         def _impl(typingctx, a0, a1):
@@ -719,6 +706,7 @@ if not SIMULATOR:
             return sig, codegen
         return _impl
 
+    _mbar_init = _asm_2i("mbarrier.init.shared::cta.b64 [$0], $1;")
     _mbar_expect_tx = _asm_2i("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;")
     _named_sync = _asm_2i("bar.sync $0, $1;")
 
