@@ -1027,6 +1027,69 @@ def _make_kernel_wgp(D, has_mask, NWG=1, STAGES=3, maxreg=None, BN=32):
     return kern
 
 
+def _make_softmax(BN, HAS_MASK):
+    """The wgmma kernels' online softmax over one BN-key S tile in the m64nN accumulator layout
+    (row0 = this thread's first row; columns n0 + 8 nt + 2 t + e%2): mask (added after scaling by
+    sl), ragged-tail columns -> -3e38, running max / sum in st, S -> P in place."""
+    NT = BN // 8
+    NS = NT * 4
+    LOG2E = float32(_LOG2E)
+    MASK_FLOOR = float32(-1e30)
+    NEG = float32(-3e38)
+    quad_max = _mma.quad_max
+
+    @cuda.jit(device=True, inline=True)
+    def softmax(s, st, mask, b, h, ms0, ms1, ms2, n0, row0, L, t, sl, es, scrf):
+        """st = [mr0, mr1, lr0, lr1, al0, al1]: online-softmax state; S -> P in place."""
+        if HAS_MASK:
+            for i in range(NS):
+                s[i] = s[i] * sl
+            for nt in range(NT):
+                for e in range(4):
+                    col = n0 + nt * 8 + 2 * t + (e % 2)
+                    row = row0 + 8 * (e // 2)
+                    if row < L and col < L:
+                        mv = mask[b * ms0 + h * ms1 + row * ms2 + col] * LOG2E
+                        s[nt * 4 + e] += max(mv, MASK_FLOOR)
+        if n0 + BN > L:
+            for nt in range(NT):
+                for e in range(4):
+                    if n0 + nt * 8 + 2 * t + (e % 2) >= L:
+                        s[nt * 4 + e] = NEG
+        x0 = NEG
+        x1 = NEG
+        for nt in range(NT):
+            x0 = max(x0, max(s[nt * 4 + 0], s[nt * 4 + 1]))
+            x1 = max(x1, max(s[nt * 4 + 2], s[nt * 4 + 3]))
+        x0 = max(quad_max(x0, scrf), st[0])
+        x1 = max(quad_max(x1, scrf), st[1])
+        st[4] = _math.exp2((st[0] - x0) * es)
+        st[5] = _math.exp2((st[1] - x1) * es)
+        st[0] = x0
+        st[1] = x1
+        y0 = x0 * es
+        y1 = x1 * es
+        ps0 = float32(0)
+        ps1 = float32(0)
+        for nt in range(NT):
+            p = _math.exp2(s[nt * 4 + 0] * es - y0)
+            s[nt * 4 + 0] = p
+            ps0 += p
+            p = _math.exp2(s[nt * 4 + 1] * es - y0)
+            s[nt * 4 + 1] = p
+            ps0 += p
+            p = _math.exp2(s[nt * 4 + 2] * es - y1)
+            s[nt * 4 + 2] = p
+            ps1 += p
+            p = _math.exp2(s[nt * 4 + 3] * es - y1)
+            s[nt * 4 + 3] = p
+            ps1 += p
+        st[2] = st[2] * st[4] + ps0
+        st[3] = st[3] * st[5] + ps1
+
+    return softmax
+
+
 def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, FL=False, BULK=False,
                       WS=False, REL=False):
     """Variant ``wgpp``: wgp (1 warpgroup, 32-key tiles, 3-stage ring) with FA3's intra-warpgroup
@@ -1128,54 +1191,7 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
             row = min(row, L - 1)
             cp_async16(sm, sbase + grp * GB + cc * 128 + r8 * 16, g, gbase + row * gstride + cc * 4, nb)
 
-    @cuda.jit(device=True, inline=True)
-    def softmax(s, st, mask, b, h, ms0, ms1, ms2, n0, row0, L, t, sl, es, scrf):
-        """st = [mr0, mr1, lr0, lr1, al0, al1]: online-softmax state; S -> P in place."""
-        if HAS_MASK:
-            for i in range(NS):
-                s[i] = s[i] * sl
-            for nt in range(NT):
-                for e in range(4):
-                    col = n0 + nt * 8 + 2 * t + (e % 2)
-                    row = row0 + 8 * (e // 2)
-                    if row < L and col < L:
-                        mv = mask[b * ms0 + h * ms1 + row * ms2 + col] * LOG2E
-                        s[nt * 4 + e] += max(mv, MASK_FLOOR)
-        if n0 + BN > L:
-            for nt in range(NT):
-                for e in range(4):
-                    if n0 + nt * 8 + 2 * t + (e % 2) >= L:
-                        s[nt * 4 + e] = NEG
-        x0 = NEG
-        x1 = NEG
-        for nt in range(NT):
-            x0 = max(x0, max(s[nt * 4 + 0], s[nt * 4 + 1]))
-            x1 = max(x1, max(s[nt * 4 + 2], s[nt * 4 + 3]))
-        x0 = max(quad_max(x0, scrf), st[0])
-        x1 = max(quad_max(x1, scrf), st[1])
-        st[4] = _math.exp2((st[0] - x0) * es)
-        st[5] = _math.exp2((st[1] - x1) * es)
-        st[0] = x0
-        st[1] = x1
-        y0 = x0 * es
-        y1 = x1 * es
-        ps0 = float32(0)
-        ps1 = float32(0)
-        for nt in range(NT):
-            p = _math.exp2(s[nt * 4 + 0] * es - y0)
-            s[nt * 4 + 0] = p
-            ps0 += p
-            p = _math.exp2(s[nt * 4 + 1] * es - y0)
-            s[nt * 4 + 1] = p
-            ps0 += p
-            p = _math.exp2(s[nt * 4 + 2] * es - y1)
-            s[nt * 4 + 2] = p
-            ps1 += p
-            p = _math.exp2(s[nt * 4 + 3] * es - y1)
-            s[nt * 4 + 3] = p
-            ps1 += p
-        st[2] = st[2] * st[4] + ps0
-        st[3] = st[3] * st[5] + ps1
+    softmax = _make_softmax(BN, HAS_MASK)
 
     JIT = {} if (maxreg is None or _rt.SIMULATOR) else {"max_registers": maxreg}
     if WS and not _rt.SIMULATOR:    # 288 threads: ptxas must fit 65536 / 288 registers (224)
@@ -1697,23 +1713,26 @@ def _dwords(t):
 
 
 def tile_kv(k, v, BN):
-    """``tile_kv_reference`` of k and v in one Numba launch -> (kt, vt)."""
+    """``tile_kv_reference`` of k and v (same shape; v may be None) in one Numba launch -> (kt, vt)."""
     B, H, L, D = k.shape
     NT = -(-L // BN)
-    outs = [torch.empty((B, H, NT * BN, D), dtype=k.dtype, device=k.device) for _ in range(2)]
-    ok = all(x.stride(-1) == 1 and all(st % 4 == 0 for st in x.stride()[:-1]) and x.storage_offset() % 4 == 0
-             for x in (k, v))
-    if not ok:
-        k, v = k.contiguous(), v.contiguous()
+    xs = [k] if v is None else [k, v]
+    outs = [torch.empty((B, H, NT * BN, D), dtype=k.dtype, device=k.device) for _ in xs]
+    xs = [x if x.stride(-1) == 1 and all(st % 4 == 0 for st in x.stride()[:-1]) and x.storage_offset() % 4 == 0
+          else x.contiguous() for x in xs]
+    k, v = xs[0], xs[-1]
     CH = D // 8
     G = NT * BN // 8
     total = B * H * G * CH * 8
-    grid = (_rt.grid_for(total, 256, 8), 2)
+    grid = (_rt.grid_for(total, 256, 8), len(xs))
+    # without v: a stand-in second output (grid y = 1 never writes it; the simulator copies every
+    # array argument back after the launch, so passing outs[0] twice would undo its writes)
+    second = outs[1] if len(outs) > 1 else torch.zeros(4, dtype=k.dtype, device=k.device)
     _tile_kernel()[grid, 256, _rt.stream()](
-        _dwords(k), _dwords(v), _dwords(outs[0]), _dwords(outs[1]),
+        _dwords(k), _dwords(v), _dwords(outs[0]), _dwords(second),
         k.stride(0) // 4, k.stride(1) // 4, k.stride(2) // 4, v.stride(0) // 4, v.stride(1) // 4,
         v.stride(2) // 4, L, H, CH, G, total)
-    return outs[0], outs[1]
+    return outs[0], (outs[1] if len(outs) > 1 else None)
 
 
 def _launch(kern, q, k, v, dst, marr, mst, rows, nth):
@@ -2230,19 +2249,222 @@ def _make_kernel8_wg(D, has_mask, maxreg=None):
     return kern
 
 
+def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
+    """Hopper 8-bit kernel (variant ``wgb``) on the bf16 default's structure: 2 warpgroups x 64
+    query rows, BN-key tiles in a STAGES ring fed by bulk copies (thread 0, mbarriers), S(j+1)
+    issued with P(j) V(j).  S = Q8 K8^T on wgmma m64nBNk32 s8 (exact int32) x (per-16-row Q scale
+    x per-64-key K scale, the pre-pass's); P V on bf16 wgmma.  k: the pre-pass's padded int8 K
+    through tile_kv (viewed as 16-bit pairs: the same core-matrix image, 16 values per 16-byte
+    chunk); v: tile_kv(v); q: the padded int8 Q (cp.async once)."""
+    NWG = 2
+    BM = 64 * NWG
+    NTH = 128 * NWG
+    CH8 = D // 16
+    GB8 = CH8 * 128
+    CH = D // 8
+    GB = CH * 128
+    TB8 = BN * D
+    TBV = BN * D * 2
+    SB = TB8 + TBV
+    KT = D // 32
+    NT = BN // 8
+    NS = NT * 4
+    DT = D // 8
+    NACC = D // 2
+    PT = BN // 16
+    PR = PT * 4
+    QF = KT * 4
+    QLOADS = BM * CH8 // NTH
+    SCRW = _mma.SCR_WORDS if _rt.SIMULATOR else 0
+    SCRF = _mma.SCRF_WORDS if _rt.SIMULATOR else 0
+    NEG = float32(-3e38)
+    DK_HI = ((128 >> 4) << 16) | ((GB8 >> 4) << 32)
+    DV_HI = ((GB >> 4) << 16) | ((128 >> 4) << 32)
+    wg_qk = _mma.wgmma_op(BN, 0, "s8")
+    wg_pv = _mma.wgmma_op(D, 1)
+    wg_fence, wg_commit, wg_wait0, wg_wait1 = _mma.wg_fence, _mma.wg_commit, _mma.wg_wait0, _mma.wg_wait1
+    fence_async, ldsm_x4 = _mma.fence_proxy_async, _mma.ldsm_x4
+    cp_async16, cp_commit, cp_wait0 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0
+    quad_sum, pack_bf16 = _mma.quad_sum, _mma.pack_bf16
+    mbar_init, mbar_expect_tx, mbar_wait = _mma.mbar_init, _mma.mbar_expect_tx, _mma.mbar_wait
+    fence_mbar_init, bulk_g2s = _mma.fence_mbar_init, _mma.bulk_g2s
+    ARRIVE_LAST = _mma.BULK_ARRIVE_LAST
+    softmax = _make_softmax(BN, has_mask)
+    DYN = STAGES * SB > 48 * 1024 and not _rt.SIMULATOR
+    RINGS = 0 if DYN else STAGES * SB // 4
+    RALIGN = None if DYN else SMEM_ALIGN_WG
+    MBALIGN = None if _rt.SIMULATOR else 8
+    MBW = 2 * STAGES
+    assert D % 32 == 0 and BN % 64 == 0 and BM * D <= SB and (BM * CH8) % NTH == 0
+
+    @cuda.jit(device=True, inline=True)
+    def issue(sm, mbs, kb, mb, k, v, kbase, vbase, t, stage):
+        if not ARRIVE_LAST:
+            mbar_expect_tx(mbs, mb + 8 * stage, SB)
+        bulk_g2s(sm, kb + stage * SB, k, kbase + t * (TB8 // 4), TB8, mb + 8 * stage)
+        bulk_g2s(sm, kb + stage * SB + TB8, v, vbase + t * (TBV // 4), TBV, mb + 8 * stage)
+        if ARRIVE_LAST:
+            mbar_expect_tx(mbs, mb + 8 * stage, SB)
+
+    @cuda.jit(device=True, inline=True)
+    def scaled(si, s, f0, f1):
+        """int32 S -> fp32 with the K scale of each 64-key half of the tile."""
+        for nt in range(NT):
+            f = f0 if nt < 8 else f1
+            for e in range(4):
+                s[nt * 4 + e] = float32(si[nt * 4 + e]) * f
+
+    @cuda.jit(fastmath=True)
+    def kern(q, k, v, qsc, ksc, o, mask, vs0, vs1, vs2, os0, os1, ms0, ms1, ms2, L, Lp, H, sl2):
+        sm = cuda.shared.array(RINGS, int32, alignment=RALIGN)
+        scr = cuda.shared.array(SCRW, int32)
+        scrf = cuda.shared.array(SCRF, float32)
+        mbs = cuda.shared.array(MBW, int32, alignment=MBALIGN)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        l8 = lane % 8
+        j8 = lane // 8
+        bh = cuda.blockIdx.y
+        b = bh // H
+        h = bh - b * H
+        m0 = cuda.blockIdx.x * BM
+        kb = _mma.smem_base(sm)
+        mb = _mma.smem_base(mbs)
+        qaddr = kb + (warp * 2 + j8 % 2) * GB8 + (j8 // 2) * 128 + l8 * 16
+        base8 = bh * Lp * (D // 4)
+        kbase = b * vs0 // 2 + h * vs1 // 2        # tiled K8: half the words of tiled V per row
+        vbase = b * vs0 + h * vs1
+        nkt = Lp // 64
+        qscale = qsc[bh * (Lp // 16) + min(m0 // 16 + warp, Lp // 16 - 1)] * float32(sl2)
+        for i in range(QLOADS):                 # Q8 rows (zero past the padded length)
+            c = i * NTH + tid
+            r8 = c % 8
+            cc = (c // 8) % CH8
+            grp = (c // 8) // CH8
+            row = m0 + grp * 8 + r8
+            cp_async16(sm, kb + grp * GB8 + cc * 128 + r8 * 16, q,
+                       base8 + min(row, Lp - 1) * (D // 4) + cc * 4, 16 if row < Lp else 0)
+        cp_commit()
+        cp_wait0()
+        cuda.syncthreads()
+        qf = cuda.local.array(QF, int32)
+        for kk in range(KT):
+            a0, a1, a2, a3 = ldsm_x4(sm, qaddr + kk * 256, scr)
+            qf[kk * 4 + 0] = a0
+            qf[kk * 4 + 1] = a1
+            qf[kk * 4 + 2] = a2
+            qf[kk * 4 + 3] = a3
+        fence_async()                           # generic reads of stage 0 before its bulk writes
+        cuda.syncthreads()
+        ntiles = (L + BN - 1) // BN
+        if tid == 0:
+            for i in range(STAGES):
+                mbar_init(mbs, mb + 8 * i, 1)
+            fence_mbar_init()
+            for i in range(STAGES - 1):
+                if i < ntiles:
+                    issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i)
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = float32(0)
+        si = cuda.local.array(NS, int32)
+        s = cuda.local.array(NS, float32)
+        pr = cuda.local.array(PR, int32)
+        st = cuda.local.array(6, float32)
+        st[0] = NEG
+        st[1] = NEG
+        st[2] = float32(0)
+        st[3] = float32(0)
+        row0 = m0 + warp * 16 + g
+        row1 = row0 + 8
+        one = float32(1)
+
+        cuda.syncthreads()
+        mbar_wait(mbs, mb, 0)
+        dk = DK_HI | (int64(kb) >> 4)
+        wg_fence()
+        for kk in range(KT):
+            wg_qk(si, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3], dk + kk * 16, kk, sm, scr)
+        wg_commit()
+        wg_wait0()
+        scaled(si, s, qscale * ksc[bh * nkt], qscale * ksc[bh * nkt + min(1, nkt - 1)])
+        softmax(s, st, mask, b, h, ms0, ms1, ms2, 0, row0, L, t, one, one, scrf)
+        for i in range(PR):
+            pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
+
+        for j in range(ntiles):
+            if j + 1 < ntiles:
+                mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
+            cuda.syncthreads()                  # every warp is past P(j-1) V(j-1)
+            if tid == 0 and j + STAGES - 1 < ntiles:
+                issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
+            # (phantom S(ntiles) in the last iteration, as in the bf16 kernel: all its columns >= L)
+            wg_fence()
+            dk = DK_HI | (int64(kb + ((j + 1) % STAGES) * SB) >> 4)
+            for kk in range(KT):
+                wg_qk(si, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3],
+                      dk + kk * 16, kk, sm, scr)
+            wg_commit()
+            dv = DV_HI | (int64(kb + (j % STAGES) * SB + TB8) >> 4)
+            for kk in range(PT):
+                wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
+                      dv + kk * (2 * GB // 16), 1, sm, scr)
+            wg_commit()
+            wg_wait1()                          # S(j+1) done; P(j) V(j) may still run
+            kt = min((j + 1) * (BN // 64), nkt - 1)
+            scaled(si, s, qscale * ksc[bh * nkt + kt], qscale * ksc[bh * nkt + min(kt + 1, nkt - 1)])
+            softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, one, one, scrf)
+            wg_wait0()
+            al0 = st[4]
+            al1 = st[5]
+            if al0 < one:
+                for nt in range(DT):
+                    acc[nt * 4 + 0] *= al0
+                    acc[nt * 4 + 1] *= al0
+            if al1 < one:
+                for nt in range(DT):
+                    acc[nt * 4 + 2] *= al1
+                    acc[nt * 4 + 3] *= al1
+            for i in range(PR):
+                pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
+
+        lr0 = quad_sum(st[2], scrf)
+        lr1 = quad_sum(st[3], scrf)
+        inv0 = one / lr0
+        inv1 = one / lr1
+        obase = b * os0 + h * (D // 2) + t
+        if row0 < L:
+            for nt in range(DT):
+                o[obase + row0 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 0] * inv0, acc[nt * 4 + 1] * inv0)
+        if row1 < L:
+            for nt in range(DT):
+                o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
+
+    kern.dyn_smem = STAGES * SB if DYN else 0
+    kern.tile_kv = BN
+    kern.rows = BM
+    kern.nth = NTH
+    return kern
+
+
 _variant8 = os.environ.get("FLUX_ATTN_8BIT_KERNEL", "mma")   # or "wg" / "wgr" (Hopper wgmma; wgr: <= 168 regs)
 
 
 def set_variant8(name):
     global _variant8
-    if name not in ("mma", "wg", "wgr"):
-        raise ValueError(f"unknown 8-bit attention kernel {name!r}; have ['mma', 'wg', 'wgr']")
+    if name not in ("mma", "wg", "wgr", "wgb"):
+        raise ValueError(f"unknown 8-bit attention kernel {name!r}; have ['mma', 'wg', 'wgr', 'wgb']")
     _variant8 = name
 
 
 def _kernel8(D, has_mask, wg=None, per_tok=False):
     key = (D, bool(has_mask), wg, bool(per_tok))
     kern = _kernels8.get(key)
+    if kern is None and wg == "wgb":
+        kern = _kernels8[key] = _make_kernel8_wgb(D, bool(has_mask))
     if kern is None:
         kern = _kernels8[key] = (_make_kernel8_wg(D, bool(has_mask), 168 if wg == "wgr" else None) if wg
                                  else _make_kernel8(D, bool(has_mask), bool(per_tok)))
@@ -2581,7 +2803,26 @@ def numba_attention_8bit(q, k, v, mask=None, out=None):
         if marr is None:
             marr = _dummy_mask[q.device] = _f32_1d(torch.zeros(1, dtype=torch.float32, device=q.device))
     wg = _variant8 if (pk is None and _variant8 != "mma" and _wg_ok(D, q.device)) else None
+    if wg == "wgb" and _PREPASS != "numba":
+        wg = "wg"
     kern = _kernel8(D, mask is not None, wg, pk is not None)
+    if wg == "wgb":   # K8 and V as tile images for the bulk copies
+        kt8 = tile_kv(ent[1].view(torch.int16), None, kern.tile_kv)[0]
+        v = tile_kv(v, None, kern.tile_kv)[0]
+        k8a = _words(kt8)
+        args = (q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,
+                v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
+                dst.stride(0) // 2, dst.stride(1) // 2, mst[0], mst[1], mst[2], L, Lp, H, _LOG2E / _math.sqrt(D))
+        grid = ((L + kern.rows - 1) // kern.rows, B * H)
+        if kern.dyn_smem:
+            _dyn_optin(kern, args, kern.dyn_smem, q.device)
+            kern[grid, kern.nth, _rt.stream(), kern.dyn_smem](*args)
+        else:
+            kern[grid, kern.nth, _rt.stream()](*args)
+        if out is not None and dst is not out:
+            out.copy_(dst)
+            return out
+        return dst
     grid = ((L + _BM - 1) // _BM, B * H)
     kern[grid, _NW * 32, _rt.stream()](
         q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,

@@ -326,13 +326,15 @@ def test_attention_numba_wgmma_variants(var):
     assert rel(out, ref32(q, k, v)) < 1.2e-2
 
 
-def test_attention_8bit_wgmma():
-    B, H, L, D = 1, 1, 40, 32
+@pytest.mark.parametrize("var,L", [("wg", 40), ("wgb", 40), ("wgb", 400)])
+def test_attention_8bit_wgmma(var, L):
+    # wgb: 128-key tiles through tile_kv + bulk copies, 2 warpgroups (L=400: the ring wraps, ragged)
+    B, H, D = 1, 1, 32
     if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
     q, k, v = make(B, H, L, D, seed=17)
     k = (k + 3.0).to(torch.bfloat16)
-    A.set_variant8("wg")
+    A.set_variant8(var)
     try:
         out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
         run_numba("numba-8bit", q, k, v, out=out)
@@ -494,6 +496,8 @@ def test_tile_kv_layout(L, BN):
     t = A.tile_kv_reference(x, BN)
     kt, vt = A.tile_kv(x, (x * 2).to(torch.bfloat16), BN)      # the Numba kernel: both equal the reference
     assert torch.equal(kt, t) and torch.equal(vt, A.tile_kv_reference((x * 2).to(torch.bfloat16), BN))
+    k1, none = A.tile_kv(x, None, BN)                          # K alone (the 8-bit kernel's int8 K)
+    assert none is None and torch.equal(k1, t)
     NT = -(-L // BN)
     assert t.shape == (B, H, NT * BN, D)
     flat = t.reshape(B, H, NT, BN * D).cpu()
