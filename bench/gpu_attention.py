@@ -85,7 +85,7 @@ def make(B, H, L, D, qk_scale=1.0, seed=0):
 BACKENDS = [b for b in ("numba", "numba-8bit") if b in registry.backends("attention")]
 # backend labels; "numba@8w" = the numba backend with the 8-warp (128 x 64) tiling variant.
 # FLUX_ATTN_VARIANTS (default "4w,8w"): bf16 tilings to compare ("wg" / "wg2" = Hopper wgmma kernel
-# with 1 / 2 warpgroups per block); FLUX_ATTN_8BIT_VARIANTS (default "mma"): 8-bit kernels.
+# with 1 / 2 warpgroups per block); FLUX_ATTN_8BIT_VARIANTS (default "auto,mma"): 8-bit kernels.
 VARS = [x for x in os.environ.get("FLUX_ATTN_VARIANTS", "auto,4w").split(",") if x]
 FULL = [x for x in os.environ.get("FLUX_ATTN_FULL", "w32,w32x8,wgpp,wgpp64").split(",") if x]
 # Hopper wgmma variants run in a child process (a faulting kernel poisons its CUDA context only),
@@ -94,10 +94,10 @@ WGVARS = [x for x in os.environ.get("FLUX_ATTN_WG_VARIANTS", "").split(",") if x
 CHILD = os.environ.get("FLUX_ATTN_CHILD") == "1"
 if CHILD:
     VARS, BACKENDS = WGVARS, ["numba"]
-VARS8 = [x for x in os.environ.get("FLUX_ATTN_8BIT_VARIANTS", "mma").split(",") if x]
+VARS8 = [x for x in os.environ.get("FLUX_ATTN_8BIT_VARIANTS", "auto,mma").split(",") if x]
 CHECK_ALL = os.environ.get("FLUX_ATTN_CHECK_ALL") == "1"   # check every case with every variant
 LABELS = [("numba" if v == "auto" else f"numba@{v}", "numba", v) for v in VARS] if "numba" in BACKENDS else []
-LABELS += [("numba-8bit" if v == "mma" else f"numba-8bit@{v}", "numba-8bit", "8:" + v)
+LABELS += [("numba-8bit" if v == "auto" else f"numba-8bit@{v}", "numba-8bit", "8:" + v)
            for v in VARS8 if "numba-8bit" in BACKENDS]
 
 
@@ -108,7 +108,7 @@ def variant(v):
         else:
             A.set_variant(v)
             if v in ("4w", "auto") and hasattr(A, "set_variant8"):
-                A.set_variant8("mma")
+                A.set_variant8("auto")
     except Exception as ex:  # older attention.py without variants
         print("set_variant failed:", ex)
 
@@ -130,7 +130,7 @@ def check_case(name, B, H, L, D, mask=None, qk_scale=1.0, seed=0, out_view=False
     r32 = ref32(q, k, v, mask)
     e16 = rel(sdpa16(q, k, v, mask), r32)
     for label, be, var in LABELS:
-        if var not in ("auto", "4w", "8:mma") and var not in FULL and not CHECK_ALL and not name.startswith("[1,24,4608"):
+        if var not in ("auto", "4w", "8:auto", "8:mma") and var not in FULL and not CHECK_ALL and not name.startswith("[1,24,4608"):
             continue
         variant(var)
         try:

@@ -29,7 +29,7 @@ for var in (sys.argv[1] if len(sys.argv) > 1 else "mma,wgb").split(","):
     A.set_variant8(var)
     out = A.numba_attention_8bit(q, k, v)
     rows.append((f"numba-8bit {var}", AC.graph_ms(lambda: A.numba_attention_8bit(q, k, v)), AC.rel(out, ref)))
-A.set_variant8("mma")
+A.set_variant8("auto")
 print(f"\n{torch.cuda.get_device_name()}, [1,24,4608,128], device time (graph of 10, median of 20)")
 for name, t, e in rows:
     print(f"{name:22s} {t:8.4f} ms {FLOP / t / 1e9:7.1f} TFLOP/s  rel err {e:.4%}")

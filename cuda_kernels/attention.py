@@ -2450,13 +2450,18 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
     return kern
 
 
-_variant8 = os.environ.get("FLUX_ATTN_8BIT_KERNEL", "mma")   # or "wg" / "wgr" (Hopper wgmma; wgr: <= 168 regs)
+# "auto" (default): wgb on Hopper at head dim 128 with the Numba pre-pass (0.67 ms vs mma's 0.90 at
+# the FLUX shape, same error: bench/gpu_attn8_graph.py), else mma; "wg" / "wgr": the older
+# single-warpgroup wgmma kernel (wgr: <= 168 registers).  qk_norm_rope's fused per-token pack
+# always runs the mma kernel.
+_variant8 = os.environ.get("FLUX_ATTN_8BIT_KERNEL", "auto")
+_VARIANTS8 = ("auto", "mma", "wg", "wgr", "wgb")
 
 
 def set_variant8(name):
     global _variant8
-    if name not in ("mma", "wg", "wgr", "wgb"):
-        raise ValueError(f"unknown 8-bit attention kernel {name!r}; have ['mma', 'wg', 'wgr', 'wgb']")
+    if name not in _VARIANTS8:
+        raise ValueError(f"unknown 8-bit attention kernel {name!r}; have {list(_VARIANTS8)}")
     _variant8 = name
 
 
@@ -2802,7 +2807,8 @@ def numba_attention_8bit(q, k, v, mask=None, out=None):
         marr = _dummy_mask.get(q.device)
         if marr is None:
             marr = _dummy_mask[q.device] = _f32_1d(torch.zeros(1, dtype=torch.float32, device=q.device))
-    wg = _variant8 if (pk is None and _variant8 != "mma" and _wg_ok(D, q.device)) else None
+    v8 = ("mma" if _rt.SIMULATOR else "wgb") if _variant8 == "auto" else _variant8
+    wg = v8 if (pk is None and v8 != "mma" and _wg_ok(D, q.device)) else None
     if wg == "wgb" and _PREPASS != "numba":
         wg = "wg"
     kern = _kernel8(D, mask is not None, wg, pk is not None)

@@ -339,7 +339,7 @@ def test_attention_8bit_wgmma(var, L):
         out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
         run_numba("numba-8bit", q, k, v, out=out)
     finally:
-        A.set_variant8("mma")
+        A.set_variant8("auto")
     assert not torch.isnan(out).any()
     assert rel(out, ref32(q, k, v)) < 3e-2
 
