@@ -2,6 +2,7 @@
 
     FLUX_NUMBA_REAL_GPU=1 python bench/gpu_attn_ablate.py
     FLUX_ABL_CONFIGS=64x1s3,64x2s5,64x2s5f FLUX_ABL_FLAGS=0,1,2,3,4,7,15 python bench/gpu_attn_ablate.py
+    FLUX_ABL_CONFIGS= FLUX_ABL_8BIT=mma,wgb python bench/gpu_attn_ablate.py    # the 8-bit op per kernel
 
 A config "BNxNWGsS[f]" is the kernel's key-tile width, warpgroups per block (64 query rows each),
 ring stages and (f) unchecked full-tile loads (FL) or (b) K / V re-laid out by tile_kv (timed on its
@@ -39,7 +40,7 @@ NAMES = {1: "noload", 2: "nosoftmax", 4: "noPV", 8: "nobarrier", 16: "nofence"}
 
 
 def main():
-    configs = os.environ.get("FLUX_ABL_CONFIGS", "32x1s3,64x1s3,64x2s3,128x2s3").split(",")
+    configs = [c for c in os.environ.get("FLUX_ABL_CONFIGS", "32x1s3,64x1s3,64x2s3,128x2s3").split(",") if c]
     flags = [int(f) for f in os.environ.get("FLUX_ABL_FLAGS", "0,1,2,3,4,6,7,15").split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = [torch.randn(B, H, L, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)]
@@ -82,6 +83,18 @@ def main():
             except Exception:
                 traceback.print_exc()
                 rows.append((f"wgpp {cfg}", name + " FAILED", float("nan"), float("nan")))
+    for var in [x for x in os.environ.get("FLUX_ABL_8BIT", "").split(",") if x]:
+        # the numba-8bit op as a whole (pre-pass, relayouts, kernel), per 8-bit kernel variant
+        A.set_variant8(var)
+        try:
+            out = A.numba_attention_8bit(q, k, v)
+            t = AC.graph_ms(lambda: A.numba_attention_8bit(q, k, v))
+            rows.append((f"numba-8bit {var}", "(op: pre-pass + kernel)", t, AC.rel(out, ref)))
+        except Exception:
+            traceback.print_exc()
+            rows.append((f"numba-8bit {var}", "FAILED", float("nan"), float("nan")))
+        finally:
+            A.set_variant8("auto")
     print(f"\n{torch.cuda.get_device_name()}, [1,24,4608,128] bf16, device time (graph of 10, median of 20)")
     print(f"{'kernel':22s} {'ablation':30s} {'ms':>8s} {'TFLOP/s':>8s} {'rel err':>9s}")
     for r in rows:

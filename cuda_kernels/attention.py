@@ -2451,7 +2451,7 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
 
 
 # "auto" (default): wgb on Hopper at head dim 128 with the Numba pre-pass (0.67 ms vs mma's 0.90 at
-# the FLUX shape, same error: bench/gpu_attn8_graph.py), else mma; "wg" / "wgr": the older
+# the FLUX shape, same error: FLUX_ABL_8BIT=mma,wgb bench/gpu_attn_ablate.py), else mma; "wg" / "wgr": the older
 # single-warpgroup wgmma kernel (wgr: <= 168 registers).  qk_norm_rope's fused per-token pack
 # always runs the mma kernel.
 _variant8 = os.environ.get("FLUX_ATTN_8BIT_KERNEL", "auto")
