@@ -1027,6 +1027,27 @@ def _make_kernel_wgp(D, has_mask, NWG=1, STAGES=3, maxreg=None, BN=32):
     return kern
 
 
+def _make_issue(TBK, TBV):
+    """One thread's tile move for the bulk-copy wgmma kernels: K tile t (TBK bytes) and V tile t
+    (TBV bytes) of the tiled buffers -> ring stage ``stage`` (stride TBK + TBV), counted on the
+    stage's mbarrier (expect-tx arrive first on the GPU; after the copies in the simulator, whose
+    copies are synchronous and whose arrive completes the phase)."""
+    SB = TBK + TBV
+    ARRIVE_LAST = _mma.BULK_ARRIVE_LAST
+    mbar_expect_tx, bulk_g2s = _mma.mbar_expect_tx, _mma.bulk_g2s
+
+    @cuda.jit(device=True, inline=True)
+    def issue(sm, mbs, kb, mb, k, v, kbase, vbase, t, stage):
+        if not ARRIVE_LAST:
+            mbar_expect_tx(mbs, mb + 8 * stage, SB)
+        bulk_g2s(sm, kb + stage * SB, k, kbase + t * (TBK // 4), TBK, mb + 8 * stage)
+        bulk_g2s(sm, kb + stage * SB + TBK, v, vbase + t * (TBV // 4), TBV, mb + 8 * stage)
+        if ARRIVE_LAST:
+            mbar_expect_tx(mbs, mb + 8 * stage, SB)
+
+    return issue
+
+
 def _make_softmax(BN, HAS_MASK):
     """The wgmma kernels' online softmax over one BN-key S tile in the m64nN accumulator layout
     (row0 = this thread's first row; columns n0 + 8 nt + 2 t + e%2): mask (added after scaling by
@@ -1156,27 +1177,14 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     assert BM * D * 2 <= STAGES * SB and STAGES * SB <= 227 * 1024
     wait_prologue = _mma.cp_wait_n(STAGES - 2)     # tile 0 landed, tiles 1 .. S-2 in flight
     wait_loop = _mma.cp_wait_n(STAGES - 3)         # tile j+1 landed
-    TBW = TB // 4
     REL = REL or WS                     # stages released through the empty mbarriers
     MBW = (4 if REL else 2) * STAGES if BULK else 2
     EMPTY = 8 * STAGES                  # byte offset of the empty mbarriers (WS)
     assert BULK or not WS
     MBALIGN = None if _rt.SIMULATOR else 8
-    mbar_init, mbar_expect_tx, mbar_wait = _mma.mbar_init, _mma.mbar_expect_tx, _mma.mbar_wait
-    fence_mbar_init, bulk_g2s = _mma.fence_mbar_init, _mma.bulk_g2s
-
-    ARRIVE_LAST = _mma.BULK_ARRIVE_LAST
-    mbar_arrive = _mma.mbar_arrive
-
-    @cuda.jit(device=True, inline=True)
-    def issue(sm, mbs, kb, mb, k, v, kbase, vbase, t, stage):
-        """One thread: tile t of the tiled K and V -> ring stage ``stage``, counted on its mbarrier."""
-        if not ARRIVE_LAST:
-            mbar_expect_tx(mbs, mb + 8 * stage, 2 * TB)
-        bulk_g2s(sm, kb + stage * SB, k, kbase + t * TBW, TB, mb + 8 * stage)
-        bulk_g2s(sm, kb + stage * SB + TB, v, vbase + t * TBW, TB, mb + 8 * stage)
-        if ARRIVE_LAST:
-            mbar_expect_tx(mbs, mb + 8 * stage, 2 * TB)
+    mbar_init, mbar_wait, mbar_arrive = _mma.mbar_init, _mma.mbar_wait, _mma.mbar_arrive
+    fence_mbar_init = _mma.fence_mbar_init
+    issue = _make_issue(TB, TB)
 
     @cuda.jit(device=True, inline=True)
     def load_tile(sm, sbase, g, gbase, gstride, r0, L, tid, NLOAD):
@@ -2286,9 +2294,8 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
     fence_async, ldsm_x4 = _mma.fence_proxy_async, _mma.ldsm_x4
     cp_async16, cp_commit, cp_wait0 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0
     quad_sum, pack_bf16 = _mma.quad_sum, _mma.pack_bf16
-    mbar_init, mbar_expect_tx, mbar_wait = _mma.mbar_init, _mma.mbar_expect_tx, _mma.mbar_wait
-    fence_mbar_init, bulk_g2s = _mma.fence_mbar_init, _mma.bulk_g2s
-    ARRIVE_LAST = _mma.BULK_ARRIVE_LAST
+    mbar_init, mbar_wait, fence_mbar_init = _mma.mbar_init, _mma.mbar_wait, _mma.fence_mbar_init
+    issue = _make_issue(TB8, TBV)
     softmax = _make_softmax(BN, has_mask)
     DYN = STAGES * SB > 48 * 1024 and not _rt.SIMULATOR
     RINGS = 0 if DYN else STAGES * SB // 4
@@ -2296,15 +2303,6 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
     MBALIGN = None if _rt.SIMULATOR else 8
     MBW = 2 * STAGES
     assert D % 32 == 0 and BN % 64 == 0 and BM * D <= SB and (BM * CH8) % NTH == 0
-
-    @cuda.jit(device=True, inline=True)
-    def issue(sm, mbs, kb, mb, k, v, kbase, vbase, t, stage):
-        if not ARRIVE_LAST:
-            mbar_expect_tx(mbs, mb + 8 * stage, SB)
-        bulk_g2s(sm, kb + stage * SB, k, kbase + t * (TB8 // 4), TB8, mb + 8 * stage)
-        bulk_g2s(sm, kb + stage * SB + TB8, v, vbase + t * (TBV // 4), TBV, mb + 8 * stage)
-        if ARRIVE_LAST:
-            mbar_expect_tx(mbs, mb + 8 * stage, SB)
 
     @cuda.jit(device=True, inline=True)
     def scaled(si, s, f0, f1):
