@@ -1720,6 +1720,17 @@ def _dwords(t):
     return cuda.as_cuda_array(flat.detach(), sync=False)
 
 
+_stand_ins = {}
+
+
+def _stand_in(dev):
+    """A 4-element 16-bit buffer per device (tile_kv's unused second output)."""
+    t = _stand_ins.get(str(dev))
+    if t is None:
+        t = _stand_ins[str(dev)] = torch.zeros(4, dtype=torch.int16, device=dev)
+    return t
+
+
 def tile_kv(k, v, BN):
     """``tile_kv_reference`` of k and v (same shape; v may be None) in one Numba launch -> (kt, vt)."""
     B, H, L, D = k.shape
@@ -1735,7 +1746,7 @@ def tile_kv(k, v, BN):
     grid = (_rt.grid_for(total, 256, 8), len(xs))
     # without v: a stand-in second output (grid y = 1 never writes it; the simulator copies every
     # array argument back after the launch, so passing outs[0] twice would undo its writes)
-    second = outs[1] if len(outs) > 1 else torch.zeros(4, dtype=k.dtype, device=k.device)
+    second = outs[1] if len(outs) > 1 else _stand_in(k.device)
     _tile_kernel()[grid, 256, _rt.stream()](
         _dwords(k), _dwords(v), _dwords(outs[0]), _dwords(second),
         k.stride(0) // 4, k.stride(1) // 4, k.stride(2) // 4, v.stride(0) // 4, v.stride(1) // 4,
@@ -1754,9 +1765,15 @@ def _launch(kern, q, k, v, dst, marr, mst, rows, nth):
             v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
             dst.stride(0) // 2, dst.stride(1) // 2,
             mst[0], mst[1], mst[2], L, H, sl2)
+    _go(kern, grid, nth, args, q.device)
+
+
+def _go(kern, grid, nth, args, dev):
+    """Launch on torch's stream; a kernel with > 48 KB of dynamic shared memory (``dyn_smem``) is
+    opted in once per device first."""
     dyn = getattr(kern, "dyn_smem", 0)
-    if dyn:   # > 48 KB of dynamic shared memory: opt the compiled kernel in once per device
-        _dyn_optin(kern, args, dyn, q.device)
+    if dyn:
+        _dyn_optin(kern, args, dyn, dev)
         kern[grid, nth, _rt.stream(), dyn](*args)
     else:
         kern[grid, nth, _rt.stream()](*args)
@@ -2810,28 +2827,15 @@ def numba_attention_8bit(q, k, v, mask=None, out=None):
     if wg == "wgb" and _PREPASS != "numba":
         wg = "wg"
     kern = _kernel8(D, mask is not None, wg, pk is not None)
+    rows, nth = _BM, _NW * 32
     if wg == "wgb":   # K8 and V as tile images for the bulk copies
-        kt8 = tile_kv(ent[1].view(torch.int16), None, kern.tile_kv)[0]
+        k8a = _words(tile_kv(ent[1].view(torch.int16), None, kern.tile_kv)[0])
         v = tile_kv(v, None, kern.tile_kv)[0]
-        k8a = _words(kt8)
-        args = (q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,
-                v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
-                dst.stride(0) // 2, dst.stride(1) // 2, mst[0], mst[1], mst[2], L, Lp, H, _LOG2E / _math.sqrt(D))
-        grid = ((L + kern.rows - 1) // kern.rows, B * H)
-        if kern.dyn_smem:
-            _dyn_optin(kern, args, kern.dyn_smem, q.device)
-            kern[grid, kern.nth, _rt.stream(), kern.dyn_smem](*args)
-        else:
-            kern[grid, kern.nth, _rt.stream()](*args)
-        if out is not None and dst is not out:
-            out.copy_(dst)
-            return out
-        return dst
-    grid = ((L + _BM - 1) // _BM, B * H)
-    kern[grid, _NW * 32, _rt.stream()](
-        q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,
-        v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
-        dst.stride(0) // 2, dst.stride(1) // 2, mst[0], mst[1], mst[2], L, Lp, H, _LOG2E / _math.sqrt(D))
+        rows, nth = kern.rows, kern.nth
+    args = (q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,
+            v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
+            dst.stride(0) // 2, dst.stride(1) // 2, mst[0], mst[1], mst[2], L, Lp, H, _LOG2E / _math.sqrt(D))
+    _go(kern, ((L + rows - 1) // rows, B * H), nth, args, q.device)
     if out is not None and dst is not out:
         out.copy_(dst)
         return out
