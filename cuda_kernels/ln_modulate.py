@@ -78,6 +78,20 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0):
     NS = NW // VW
     assert not PIPE or (VEC == 4 and VW == 2)
 
+    @cuda.jit(device=True, inline=True)
+    def load_row(xr, yr, wxr, wyr, tid, nt, Cs):
+        """PIPE: this thread's 16-byte words of row xr (and yr) into wxr (wyr)."""
+        for k in range(NS):
+            j = tid + k * nt
+            if j < Cs:
+                t2 = ld2(xr, 2 * j)
+                wxr[2 * k] = t2[0]
+                wxr[2 * k + 1] = t2[1]
+                if GATED:
+                    t2 = ld2(yr, 2 * j)
+                    wyr[2 * k] = t2[0]
+                    wyr[2 * k + 1] = t2[1]
+
     def row_kernel(x, y, gate, shift, scale, out, eps):
         smem = cuda.shared.array(RED, float32)
         ta = cuda.local.array(4, float32)
@@ -102,18 +116,7 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0):
             scr = scale[b, 0]
             li = cuda.blockIdx.y
             if PIPE and li < x.shape[1]:  # prologue: the first row's loads
-                xn = x[b, li]
-                yn = y[b, li]
-                for k in range(NS):
-                    j = tid + k * nt
-                    if j < Cs:
-                        t2 = ld2(xn, 2 * j)
-                        nx[2 * k] = t2[0]
-                        nx[2 * k + 1] = t2[1]
-                        if GATED:
-                            t2 = ld2(yn, 2 * j)
-                            ny[2 * k] = t2[0]
-                            ny[2 * k + 1] = t2[1]
+                load_row(x[b, li], y[b, li], nx, ny, tid, nt, Cs)
             while li < x.shape[1]:
                 xr = x[b, li]  # 1-D row views: one index per access
                 orow = out[b, li]
@@ -125,18 +128,7 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0):
                             wy[i] = ny[i]
                     ln = li + cuda.gridDim.y
                     if ln < x.shape[1]:  # the next row's loads, in flight during this row's reductions
-                        xn = x[b, ln]
-                        yn = y[b, ln]
-                        for k in range(NS):
-                            j = tid + k * nt
-                            if j < Cs:
-                                t2 = ld2(xn, 2 * j)
-                                nx[2 * k] = t2[0]
-                                nx[2 * k + 1] = t2[1]
-                                if GATED:
-                                    t2 = ld2(yn, 2 * j)
-                                    ny[2 * k] = t2[0]
-                                    ny[2 * k + 1] = t2[1]
+                        load_row(x[b, ln], y[b, ln], nx, ny, tid, nt, Cs)
                 for k in range(NS):
                     j = tid + k * nt
                     if j < Cs:
