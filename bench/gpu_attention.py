@@ -5,6 +5,7 @@
     FLUX_ATTN_QUICK=1 ...                                          # only the FLUX shape
     FLUX_ATTN_VARIANTS=4w,8w,wg,wgr,wg2 FLUX_ATTN_8BIT_VARIANTS=mma,wg,wgr ...   # kernels to compare
     FLUX_ATTN_CHECK_ALL=1 ...                                      # check every case with every variant
+    FLUX_ATTN_BUDGET=200 ...                                       # seconds before the remaining steps are skipped (100)
     FLUX_ATTN_FULL=w32,w32x8,wgpp,wgpp64 ...     # variants checked on every case (others: FLUX shape only)
 Default bf16 variants: auto (the op's default: wgpp128x2s3b on Hopper at head dim 128, else 4w) and 4w
 (mma.sync, 16 rows/warp); opt-in: the 32-rows-per-warp family w32 (4 warps, 128-row blocks),
@@ -315,7 +316,7 @@ def main():
         steps += [lambda: bench_case("[1,24,4352,128] (512 txt + 3840)", 1, 24, 4352, 128),
                   lambda: bench_case("[1,1,16384,64]", 1, 1, 16384, 64)]
     for st in steps:
-        if time.time() - T0 > 100 and not DRY:
+        if time.time() - T0 > float(os.environ.get("FLUX_ATTN_BUDGET", "100")) and not DRY:
             print("time budget reached, skipping the rest", flush=True)
             rows.append(("(skipped)", "", "time budget", ""))
             break

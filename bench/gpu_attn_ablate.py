@@ -3,11 +3,19 @@
     FLUX_NUMBA_REAL_GPU=1 python bench/gpu_attn_ablate.py
     FLUX_ABL_CONFIGS=64x1s3,64x2s5,64x2s5f FLUX_ABL_FLAGS=0,1,2,3,4,7,15 python bench/gpu_attn_ablate.py
     FLUX_ABL_CONFIGS= FLUX_ABL_8BIT=mma,wgb python bench/gpu_attn_ablate.py    # the 8-bit op per kernel
+    FLUX_ABL_CONFIGS= FLUX_ABL_8K=00,11 FLUX_ABL_8FLAGS=0,1,2 python bench/gpu_attn_ablate.py   # wgb kernel alone
+
+FLUX_ABL_8PT=auto,mma: the 8-bit op fed by a qk_norm_rope-style Quant8 pack (per-token scales, the
+FLUX blocks' path: no pre-pass; wgb family = PTOK), per kernel variant.
+FLUX_ABL_8K: the 8-bit wgb kernel alone (inputs quantized and re-laid out once, outside the
+timing), per "PF[S]" = ping-pong warpgroups (P=1: _make_kernel8_wgb PP), the int32-direct
+softmax (F=1: FS) and optionally the ring's stages S (3); FLUX_ABL_8FLAGS: its ABL bits
+(1 = no K/V copies, 2 = no softmax).
 
 A config "BNxNWGsS[f]" is the kernel's key-tile width, warpgroups per block (64 query rows each),
 ring stages and (f) unchecked full-tile loads (FL) or (b) K / V re-laid out by tile_kv (timed on its
 own row) and moved by bulk copies (BULK), or (w) the same fed by a producer warp (WS), or (e) with
-stage releases on mbarriers instead of a block barrier (REL).
+stage releases on mbarriers instead of a block barrier (REL), or (p) REL with ping-pong warpgroups (PP).
 Flags (the kernel's ABL bits; anything but 0 computes a wrong result on purpose, only its time
 counts): 1 = no K/V loads in the loop, 2 = no softmax (P = S), 4 = no P V wgmma, 8 = no barrier in
 the loop, 16 = no proxy fence in the loop (a race).  Each kernel is timed at the FLUX shape [1, 24, 4608, 128] as device time (10 launches in
@@ -51,9 +59,10 @@ def main():
     marr = A._f32_1d(torch.zeros(1, dtype=torch.float32, device="cuda"))
     dst = torch.empty(B, L, H * D, dtype=torch.bfloat16, device="cuda")
     for cfg in configs:
-        m = re.fullmatch(r"(\d+)x(\d)s(\d)([fbwe]?)", cfg)
+        m = re.fullmatch(r"(\d+)x(\d)s(\d)([fbwep]?)", cfg)
         bn, nwg, stages = int(m.group(1)), int(m.group(2)), int(m.group(3))
-        fl, bulk, ws, rel = m.group(4) == "f", m.group(4) in ("b", "w", "e"), m.group(4) == "w", m.group(4) == "e"
+        fl, bulk, ws, rel = m.group(4) == "f", m.group(4) in ("b", "w", "e", "p"), m.group(4) == "w", m.group(4) == "e"
+        pp = m.group(4) == "p"
         kk, vv = k, v
         if bulk:
             kk, vv = A.tile_kv(k, v, bn)
@@ -66,7 +75,7 @@ def main():
         for flag in flags:
             name = "+".join(NAMES[b] for b in NAMES if flag & b) or "full"
             try:
-                kern = A._make_kernel_wgpp(D, False, None, nwg, bn, flag, stages, fl, bulk, ws, rel)
+                kern = A._make_kernel_wgpp(D, False, None, nwg, bn, flag, stages, fl, bulk, ws, rel, pp)
                 run = lambda: A._launch(kern, q, kk, vv, dst, marr, [0, 0, 0], 64 * nwg, kern.nth)  # noqa: E731
                 dst.fill_(float("nan"))
                 run()
@@ -83,6 +92,52 @@ def main():
             except Exception:
                 traceback.print_exc()
                 rows.append((f"wgpp {cfg}", name + " FAILED", float("nan"), float("nan")))
+    k8cfg = [x for x in os.environ.get("FLUX_ABL_8K", "").split(",") if x]
+    if k8cfg:
+        q8, k8, qs, ks, Lp = [x.clone() if torch.is_tensor(x) else x for x in A.quantize_8bit_numba(q, k)]
+        k8t = A.tile_kv(k8.view(torch.int16), None, 128)[0].clone()
+        vt = A.tile_kv(v, None, 128)[0].clone()
+        args = (A._arr(q8), A._words(k8t), A._words(vt), A._c_arr(qs), A._c_arr(ks), A._words(dst), marr,
+                vt.stride(0) // 2, vt.stride(1) // 2, vt.stride(2) // 2, dst.stride(0) // 2, dst.stride(1) // 2,
+                0, 0, 0, L, Lp, H, A._LOG2E / D ** 0.5)
+        for cfg in k8cfg:
+            for flag in [int(f) for f in os.environ.get("FLUX_ABL_8FLAGS", "0").split(",")]:
+                name = "+".join(NAMES[b] for b in NAMES if flag & b) or "full"
+                nst = int(cfg[2]) if len(cfg) > 2 else 3
+                label = f"wgb8 PP={cfg[0]} FS={cfg[1]} S={nst}"
+                try:
+                    kern = A._make_kernel8_wgb(D, False, STAGES=nst, PP=cfg[0] == "1", FS=cfg[1] == "1", ABL=flag)
+                    run = lambda: A._go(kern, ((L + kern.rows - 1) // kern.rows, B * H), kern.nth, args, q.device)  # noqa: E731
+                    dst.fill_(float("nan"))
+                    run()
+                    torch.cuda.synchronize()
+                    err = AC.rel(dst, ref) if flag == 0 else float("nan")
+                    t = AC.graph_ms(run)
+                    rows.append((label, name + " (kernel)", t, err))
+                    AC.note(f"wgb8/{cfg}/{name}", ms=round(t, 4), err=err)
+                except Exception:
+                    traceback.print_exc()
+                    rows.append((label, name + " FAILED", float("nan"), float("nan")))
+    pts = [x for x in os.environ.get("FLUX_ABL_8PT", "").split(",") if x]
+    if pts:
+        from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
+        q8, k8, qs, ks, Lp, km = QK.quant8_reference(q, k)
+        pk = QK.Quant8(q, k, q8, k8, qs.contiguous(), ks.contiguous(), km, Lp, {})
+        for var in pts:
+            A.set_variant8(var)
+            try:
+                def op():
+                    with A.prequantized(pk):
+                        return A.numba_attention_8bit(q, k, v)
+                out = op()
+                t = AC.graph_ms(op)
+                rows.append((f"numba-8bit {var} fused", "(op: per-token pack)", t, AC.rel(out, ref)))
+                AC.note(f"8pt/{var}", ms=round(t, 4), err=AC.rel(out, ref))
+            except Exception:
+                traceback.print_exc()
+                rows.append((f"numba-8bit {var} fused", "FAILED", float("nan"), float("nan")))
+            finally:
+                A.set_variant8("auto")
     for var in [x for x in os.environ.get("FLUX_ABL_8BIT", "").split(",") if x]:
         # the numba-8bit op as a whole (pre-pass, relayouts, kernel), per 8-bit kernel variant
         A.set_variant8(var)

@@ -1111,8 +1111,96 @@ def _make_softmax(BN, HAS_MASK):
     return softmax
 
 
+# bits of 1.5 * 2**23: the float32 with bits _MAGIC + x is exactly 12582912 + x for |x| < 2**22
+_MAGIC = 0x4B400000
+_MAGIC_F = 12582912.0
+
+
+def _make_softmax8(BN):
+    """The 8-bit wgmma kernels' online softmax (no mask) straight from the int32 S tile (exact
+    Q8 K8^T dot products, |x| <= 127^2 D < 2^22 for D <= 256) in the m64nN accumulator layout.
+    No int -> float conversion instruction (I2F issues at 16 / clock / SM, the ex2 rate): the
+    float with bits x + _MAGIC is 12582912 + x exactly, so the scaled, max-shifted exponent
+    x f - y = bits(x + _MAGIC) f - (12582912 f + y) is one FFMA, and the max is taken on the
+    biased floats (monotonic in x).  fRH: the scale (Q scale x K scale x log2(e) / sqrt(D)) of
+    row R (0: this thread's row g, 1: g + 8) and the tile's first / second 64 keys (H = 0 / 1).  Ragged columns (>= L) are left out of the max and get
+    p = 0.  st as in _make_softmax; S -> P (fp32) in s."""
+    NT = BN // 8
+    HT = 8                      # m64nN tiles per 64 keys
+    NEG = float32(-3e38)
+    C = float32(_MAGIC_F)
+    ZERO = float32(0)
+    quad_max = _mma.quad_max
+    bits_f32 = _mma.bits_f32
+    assert BN in (64, 128)
+
+    @cuda.jit(device=True, inline=True)
+    def softmax8(si, s, st, f00, f01, f10, f11, n0, L, t, scrf):
+        rag = n0 + BN > L
+        a0 = ZERO
+        a1 = ZERO
+        b0 = ZERO
+        b1 = ZERO
+        for nt in range(NT):
+            for e in range(4):
+                x = bits_f32(si[nt * 4 + e] + _MAGIC)
+                if rag:
+                    if n0 + nt * 8 + 2 * t + (e % 2) >= L:
+                        x = ZERO        # below every valid biased value (>= 2^23)
+                s[nt * 4 + e] = x
+            if nt < HT:
+                a0 = max(a0, max(s[nt * 4 + 0], s[nt * 4 + 1]))
+                a1 = max(a1, max(s[nt * 4 + 2], s[nt * 4 + 3]))
+            else:
+                b0 = max(b0, max(s[nt * 4 + 0], s[nt * 4 + 1]))
+                b1 = max(b1, max(s[nt * 4 + 2], s[nt * 4 + 3]))
+        x0 = (a0 - C) * f00
+        x1 = (a1 - C) * f10
+        if NT > HT:
+            x0 = max(x0, (b0 - C) * f01)
+            x1 = max(x1, (b1 - C) * f11)
+        x0 = max(quad_max(x0, scrf), st[0])
+        x1 = max(quad_max(x1, scrf), st[1])
+        st[4] = _math.exp2(st[0] - x0)
+        st[5] = _math.exp2(st[1] - x1)
+        st[0] = x0
+        st[1] = x1
+        k00 = C * f00 + x0
+        k10 = C * f10 + x1
+        k01 = C * f01 + x0
+        k11 = C * f11 + x1
+        ps0 = ZERO
+        ps1 = ZERO
+        for nt in range(NT):
+            fa = f00 if nt < HT else f01
+            fb = f10 if nt < HT else f11
+            y0 = k00 if nt < HT else k01
+            y1 = k10 if nt < HT else k11
+            p0 = _math.exp2(s[nt * 4 + 0] * fa - y0)
+            p1 = _math.exp2(s[nt * 4 + 1] * fa - y0)
+            p2 = _math.exp2(s[nt * 4 + 2] * fb - y1)
+            p3 = _math.exp2(s[nt * 4 + 3] * fb - y1)
+            if rag:
+                if n0 + nt * 8 + 2 * t >= L:
+                    p0 = ZERO
+                    p2 = ZERO
+                if n0 + nt * 8 + 2 * t + 1 >= L:
+                    p1 = ZERO
+                    p3 = ZERO
+            s[nt * 4 + 0] = p0
+            s[nt * 4 + 1] = p1
+            s[nt * 4 + 2] = p2
+            s[nt * 4 + 3] = p3
+            ps0 += p0 + p1
+            ps1 += p2 + p3
+        st[2] = st[2] * st[4] + ps0
+        st[3] = st[3] * st[5] + ps1
+
+    return softmax8
+
+
 def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, FL=False, BULK=False,
-                      WS=False, REL=False):
+                      WS=False, REL=False, PP=False):
     """Variant ``wgpp``: wgp (1 warpgroup, 32-key tiles, 3-stage ring) with FA3's intra-warpgroup
     overlap: S(j+1) = Q K(j+1)^T and O += P(j) V(j) are issued back to back, the softmax of tile
     j+1 runs after wgmma.wait_group 1 (S done) while P V still runs, then wait_group 0, rescale O,
@@ -1132,6 +1220,9 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     consumer warp after its P V wgmma), so the warpgroups never meet at a block barrier in the loop.
     REL (with BULK, without WS): the same release protocol without the extra warp -- thread 0
     waits for tile j-1's release before it issues tile j+S-1, and the loop has no block barrier.
+    PP (with BULK, NWG=2; implies REL): ping-pong -- the warpgroups take turns issuing their
+    wgmma (named barriers 1 and 2, as in _make_kernel8_wgb), so one's softmax overlaps the other's
+    matrix products; the issuing thread is 128 (the second warpgroup, half a turn behind).
     FL: full K/V tiles load through per-thread offsets computed once (no bounds checks, 32-bit
     offsets added to one 64-bit tile base); the ragged last tile takes the checked path.
     ABL (benchmark ablations, wrong results on purpose; 0 in the product): bit 1 skips the loop's
@@ -1177,7 +1268,10 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     assert BM * D * 2 <= STAGES * SB and STAGES * SB <= 227 * 1024
     wait_prologue = _mma.cp_wait_n(STAGES - 2)     # tile 0 landed, tiles 1 .. S-2 in flight
     wait_loop = _mma.cp_wait_n(STAGES - 3)         # tile j+1 landed
-    REL = REL or WS                     # stages released through the empty mbarriers
+    assert not PP or (BULK and NWG == 2 and not WS)
+    REL = REL or WS or PP               # stages released through the empty mbarriers
+    ISSUER = 128 if PP else 0
+    named_sync, named_arrive = _mma.named_sync, _mma.named_arrive
     MBW = (4 if REL else 2) * STAGES if BULK else 2
     EMPTY = 8 * STAGES                  # byte offset of the empty mbarriers (WS)
     assert BULK or not WS
@@ -1301,6 +1395,9 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
         st[3] = float32(0)
         row0 = m0 + warp * 16 + g
         row1 = row0 + 8
+        wg = warp // 4
+        if PP and wg == 1:
+            named_arrive(1, NTH)        # the first turn is warpgroup 0's
 
         # ---- tile 0: S, softmax, P
         if WS:
@@ -1313,10 +1410,14 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
             fence_async()
             cuda.syncthreads()
         dk = DK_HI | (int64(kb) >> 4)
+        if PP:
+            named_sync(1 + wg, NTH)
         wg_fence()
         for kk in range(KT):
             wg_qk(s, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3], dk + kk * 16, kk, sm, scr)
         wg_commit()
+        if PP:
+            named_arrive(2 - wg, NTH)
         wg_wait0()
         softmax(s, st, mask, b, h, ms0, ms1, ms2, 0, row0, L, t, sl, es, scrf)
         for i in range(PR):
@@ -1324,8 +1425,6 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
 
         for j in range(ntiles):
             if BULK:
-                if not (ABL & 1) and j + 1 < ntiles:    # tile j+1 landed
-                    mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
                 if not REL and not (ABL & 8):
                     cuda.syncthreads()  # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
             elif not (ABL & 1):
@@ -1336,7 +1435,7 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
                 cuda.syncthreads()      # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
             t0 = (j + STAGES - 1) * BN
             if BULK:
-                if REL and not WS and not (ABL & 1) and tid == 0 and t0 < L:
+                if REL and not WS and not (ABL & 1) and tid == ISSUER and t0 < L:
                     if j >= 1:          # tile j-1 (this stage's last tile) released by every warp
                         mbar_wait(mbs, mb + EMPTY + 8 * ((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
                     issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
@@ -1355,6 +1454,10 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
                 load_tile(sm, kb + sn * SB + TB, v, vbase, vs2, (j + STAGES - 1) * BN, L, tid, LOADS)
             if not BULK:
                 cp_commit()
+            elif not (ABL & 1) and j + 1 < ntiles:     # tile j+1 landed (waited for after the
+                mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)   # issue above)
+            if PP:
+                named_sync(1 + wg, NTH)     # this warpgroup's turn on the tensor cores
             # No branches around the wgmma groups (ptxas serializes every wgmma of the kernel when
             # it cannot count the groups): the last iteration computes a phantom S(ntiles) from a
             # stale stage; its columns are all >= L, so they become -3e38 before the max (NaN-proof),
@@ -1371,6 +1474,8 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
                     wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
                           dv + kk * (2 * GB // 16), 1, sm, scr)
             wg_commit()
+            if PP:
+                named_arrive(2 - wg, NTH)   # the other warpgroup's turn
             wg_wait1()                  # S(j+1) done; P(j) V(j) may still run
             if ABL & 2:
                 st[4] = float32(1)
@@ -1393,6 +1498,8 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
             for i in range(PR):
                 pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
 
+        if PP and wg == 0:
+            named_sync(1, NTH)          # warpgroup 1's last hand-over (no pending arrivals at exit)
         lr0 = quad_sum(st[2], scrf)
         lr1 = quad_sum(st[3], scrf)
         inv0 = float32(1) / lr0
@@ -1437,17 +1544,17 @@ _WGP = {"wgp": (1, 3), "wgp2": (1, 2), "wgpx2": (2, 3), "wgpr": (1, 3, 168), "wg
         "wgppr": (1, 3, 168), "wgppx2": (2, 3), "wgpp64": (1, 3),
         **{f"wgpp{bn}x{nwg}s{st}{f}": (nwg, st) for bn, nwg, st in (
             (32, 1, 3), (32, 2, 3), (32, 1, 6), (64, 1, 5), (32, 2, 4), (32, 2, 6), (64, 2, 4), (64, 2, 5), (64, 2, 6), (128, 2, 3))
-           for f in ("", "f", "b", "w", "e")}}
+           for f in ("", "f", "b", "w", "e", "p")}}
 
 
 def _wgpp_cfg(nw):
     """(maxreg, warpgroups, key-tile width, stages) of a _make_kernel_wgpp variant, else None."""
     if nw in ("wgpp", "wgppr", "wgppx2", "wgpp64"):
         return (168 if nw == "wgppr" else None, 2 if nw == "wgppx2" else 1, 64 if nw == "wgpp64" else 32, 3,
-                False, False, False, False)
-    m = re.fullmatch(r"wgpp(\d+)x(\d)s(\d)([fbwe]?)", nw) if isinstance(nw, str) else None
+                False, False, False, False, False)
+    m = re.fullmatch(r"wgpp(\d+)x(\d)s(\d)([fbwep]?)", nw) if isinstance(nw, str) else None
     return (None, int(m.group(2)), int(m.group(1)), int(m.group(3)), m.group(4) == "f",
-            m.group(4) in ("b", "w", "e"), m.group(4) == "w", m.group(4) == "e") if m else None
+            m.group(4) in ("b", "w", "e", "p"), m.group(4) == "w", m.group(4) == "e", m.group(4) == "p") if m else None
 VARIANTS = {"4w": 4, "8w": 8, "wg": "wg", "wg2": "wg2", "wgr": "wgr", **{n: n for n in _W32},
             **{n: n for n in _WGP}}
 # "auto" (default): wgpp128x2s3b (wgmma, 128 x 128 tiles, K / V re-laid out by tile_kv and moved
@@ -1474,7 +1581,7 @@ def _warps(D, dev=None):
     if nw in _W32:
         return nw
     if nw in _WGP:
-        cfg = _wgpp_cfg(nw) or (0, 0, 32, 3, False, False, False, False)
+        cfg = _wgpp_cfg(nw) or (0, 0, 32, 3, False, False, False, False, False)
         loads_ok = cfg[5] or (cfg[2] * (D // 8)) % (128 * _WGP[nw][0]) == 0   # bulk: no per-thread K/V loads
         return nw if _wg_ok(D, dev) and loads_ok else 4
     if nw in ("wg", "wg2", "wgr"):
@@ -1508,8 +1615,8 @@ def _kernel(D, has_mask, nw=4):
         kern = _kernels[key] = _make_kernel32(D, bool(has_mask), *_W32[nw])
     cfg = _wgpp_cfg(nw)
     if kern is None and cfg:
-        mr, nwg, bn, st, fl, bulk, ws, rel = cfg
-        kern = _kernels[key] = _make_kernel_wgpp(D, bool(has_mask), mr, nwg, bn, 0, st, fl, bulk, ws, rel)
+        mr, nwg, bn, st, fl, bulk, ws, rel, pp = cfg
+        kern = _kernels[key] = _make_kernel_wgpp(D, bool(has_mask), mr, nwg, bn, 0, st, fl, bulk, ws, rel, pp)
     if kern is None and nw in _WGP:
         kern = _kernels[key] = _make_kernel_wgp(D, bool(has_mask), *_WGP[nw])
     if kern is None:
@@ -2274,13 +2381,26 @@ def _make_kernel8_wg(D, has_mask, maxreg=None):
     return kern
 
 
-def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
+def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=False, ABL=0):
     """Hopper 8-bit kernel (variant ``wgb``) on the bf16 default's structure: 2 warpgroups x 64
     query rows, BN-key tiles in a STAGES ring fed by bulk copies (thread 0, mbarriers), S(j+1)
     issued with P(j) V(j).  S = Q8 K8^T on wgmma m64nBNk32 s8 (exact int32) x (per-16-row Q scale
     x per-64-key K scale, the pre-pass's); P V on bf16 wgmma.  k: the pre-pass's padded int8 K
     through tile_kv (viewed as 16-bit pairs: the same core-matrix image, 16 values per 16-byte
-    chunk); v: tile_kv(v); q: the padded int8 Q (cp.async once)."""
+    chunk); v: tile_kv(v); q: the padded int8 Q (cp.async once).
+    PP (variant ``wgbp``): FA3's ping-pong -- the two warpgroups take turns issuing their wgmma
+    (named barriers 1 and 2: a warpgroup waits for its turn, issues S(j+1) and P(j) V(j), hands
+    the turn over), so one warpgroup's softmax runs while the other's matrix products use the
+    tensor cores; no block barrier in the loop: each warp releases a stage on its "empty"
+    mbarrier after P(j) V(j), and the issuing thread (thread 128: the second warpgroup, which
+    runs half a turn behind) waits for that release before it reuses the stage.
+    FS (without a mask): the softmax straight from the int32 S (_make_softmax8: no I2F).
+    QTOK: per-token Q scales (qsc [B*H*Lp]: qk_norm_rope's fused Quant8, whose Q8 is q), K8 and
+    its per-64-key scales from the K-only pre-pass (the per-token K scales would cost a scale per
+    column: measured 0.80 ms against 0.49 with them read from L1): each thread's two rows get
+    their own factors, f(row, half) = q_scale[row] x k_scale[half].
+    ABL (benchmark ablations, wrong results on purpose; 0 in the product): bit 1 skips the loop's
+    K / V copies and their waits, 2 the softmax (P = S)."""
     NWG = 2
     BM = 64 * NWG
     NTH = 128 * NWG
@@ -2314,20 +2434,28 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
     mbar_init, mbar_wait, fence_mbar_init = _mma.mbar_init, _mma.mbar_wait, _mma.fence_mbar_init
     issue = _make_issue(TB8, TBV)
     softmax = _make_softmax(BN, has_mask)
+    FS = FS and not has_mask
+    softmax8 = _make_softmax8(BN)
     DYN = STAGES * SB > 48 * 1024 and not _rt.SIMULATOR
     RINGS = 0 if DYN else STAGES * SB // 4
     RALIGN = None if DYN else SMEM_ALIGN_WG
     MBALIGN = None if _rt.SIMULATOR else 8
-    MBW = 2 * STAGES
+    MBW = (4 if PP else 2) * STAGES
+    EMPTY = 8 * STAGES                  # byte offset of the empty mbarriers (PP)
+    ISSUER = 128 if PP else 0           # PP: the lagging warpgroup's first thread issues the loop's tiles
+    named_sync, named_arrive, mbar_arrive = _mma.named_sync, _mma.named_arrive, _mma.mbar_arrive
     assert D % 32 == 0 and BN % 64 == 0 and BM * D <= SB and (BM * CH8) % NTH == 0
 
     @cuda.jit(device=True, inline=True)
-    def scaled(si, s, f0, f1):
-        """int32 S -> fp32 with the K scale of each 64-key half of the tile."""
+    def scaled(si, s, f00, f01, f10, f11):
+        """int32 S -> fp32 with the factor of each row (this thread's g / g+8) and 64-key half."""
         for nt in range(NT):
-            f = f0 if nt < 8 else f1
-            for e in range(4):
-                s[nt * 4 + e] = float32(si[nt * 4 + e]) * f
+            fa = f00 if nt < 8 else f01
+            fb = f10 if nt < 8 else f11
+            s[nt * 4 + 0] = float32(si[nt * 4 + 0]) * fa
+            s[nt * 4 + 1] = float32(si[nt * 4 + 1]) * fa
+            s[nt * 4 + 2] = float32(si[nt * 4 + 2]) * fb
+            s[nt * 4 + 3] = float32(si[nt * 4 + 3]) * fb
 
     @cuda.jit(fastmath=True)
     def kern(q, k, v, qsc, ksc, o, mask, vs0, vs1, vs2, os0, os1, ms0, ms1, ms2, L, Lp, H, sl2):
@@ -2353,7 +2481,12 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
         kbase = b * vs0 // 2 + h * vs1 // 2        # tiled K8: half the words of tiled V per row
         vbase = b * vs0 + h * vs1
         nkt = Lp // 64
-        qscale = qsc[bh * (Lp // 16) + min(m0 // 16 + warp, Lp // 16 - 1)] * float32(sl2)
+        if QTOK:        # this thread's rows g, g + 8
+            q0 = qsc[bh * Lp + min(m0 + warp * 16 + g, Lp - 1)] * float32(sl2)
+            q1 = qsc[bh * Lp + min(m0 + warp * 16 + g + 8, Lp - 1)] * float32(sl2)
+        else:           # this warp's 16 rows
+            q0 = qsc[bh * (Lp // 16) + min(m0 // 16 + warp, Lp // 16 - 1)] * float32(sl2)
+            q1 = q0
         for i in range(QLOADS):                 # Q8 rows (zero past the padded length)
             c = i * NTH + tid
             r8 = c % 8
@@ -2375,9 +2508,12 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
         fence_async()                           # generic reads of stage 0 before its bulk writes
         cuda.syncthreads()
         ntiles = (L + BN - 1) // BN
+        wg = warp // 4
         if tid == 0:
             for i in range(STAGES):
                 mbar_init(mbs, mb + 8 * i, 1)
+                if PP:
+                    mbar_init(mbs, mb + EMPTY + 8 * i, 4 * NWG)
             fence_mbar_init()
             for i in range(STAGES - 1):
                 if i < ntiles:
@@ -2397,25 +2533,43 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
         row1 = row0 + 8
         one = float32(1)
 
+        if PP and wg == 1:
+            named_arrive(1, NTH)                # the first turn is warpgroup 0's
         cuda.syncthreads()
         mbar_wait(mbs, mb, 0)
         dk = DK_HI | (int64(kb) >> 4)
+        if PP:
+            named_sync(1 + wg, NTH)
         wg_fence()
         for kk in range(KT):
             wg_qk(si, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3], dk + kk * 16, kk, sm, scr)
         wg_commit()
+        if PP:
+            named_arrive(2 - wg, NTH)
         wg_wait0()
-        scaled(si, s, qscale * ksc[bh * nkt], qscale * ksc[bh * nkt + min(1, nkt - 1)])
-        softmax(s, st, mask, b, h, ms0, ms1, ms2, 0, row0, L, t, one, one, scrf)
+        ka = ksc[bh * nkt]
+        kb2 = ksc[bh * nkt + min(1, nkt - 1)]
+        if FS:
+            softmax8(si, s, st, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2, 0, L, t, scrf)
+        else:
+            scaled(si, s, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2)
+            softmax(s, st, mask, b, h, ms0, ms1, ms2, 0, row0, L, t, one, one, scrf)
         for i in range(PR):
             pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
 
         for j in range(ntiles):
-            if j + 1 < ntiles:
-                mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
-            cuda.syncthreads()                  # every warp is past P(j-1) V(j-1)
-            if tid == 0 and j + STAGES - 1 < ntiles:
+            # the next tile's copies go out before this iteration's wait for tile j+1 (a late
+            # tile must not delay the issue of the one after it)
+            if not PP:
+                cuda.syncthreads()              # every warp is past P(j-1) V(j-1)
+            if not (ABL & 1) and tid == ISSUER and j + STAGES - 1 < ntiles:
+                if PP and j >= 1:               # tile j-1 (this stage's last tile) released by every warp
+                    mbar_wait(mbs, mb + EMPTY + 8 * ((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
                 issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
+            if not (ABL & 1) and j + 1 < ntiles:
+                mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
+            if PP:
+                named_sync(1 + wg, NTH)         # this warpgroup's turn on the tensor cores
             # (phantom S(ntiles) in the last iteration, as in the bf16 kernel: all its columns >= L)
             wg_fence()
             dk = DK_HI | (int64(kb + ((j + 1) % STAGES) * SB) >> 4)
@@ -2428,11 +2582,24 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
                 wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
                       dv + kk * (2 * GB // 16), 1, sm, scr)
             wg_commit()
+            if PP:
+                named_arrive(2 - wg, NTH)       # the other warpgroup's turn
             wg_wait1()                          # S(j+1) done; P(j) V(j) may still run
             kt = min((j + 1) * (BN // 64), nkt - 1)
-            scaled(si, s, qscale * ksc[bh * nkt + kt], qscale * ksc[bh * nkt + min(kt + 1, nkt - 1)])
-            softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, one, one, scrf)
+            ka = ksc[bh * nkt + kt]
+            kb2 = ksc[bh * nkt + min(kt + 1, nkt - 1)]
+            if ABL & 2:
+                scaled(si, s, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2)
+                st[4] = one
+                st[5] = one
+            elif FS:
+                softmax8(si, s, st, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2, (j + 1) * BN, L, t, scrf)
+            else:
+                scaled(si, s, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2)
+                softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, one, one, scrf)
             wg_wait0()
+            if PP and lane == 0:
+                mbar_arrive(mbs, mb + EMPTY + 8 * (j % STAGES))    # this warp is done with tile j
             al0 = st[4]
             al1 = st[5]
             if al0 < one:
@@ -2446,6 +2613,8 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
             for i in range(PR):
                 pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
 
+        if PP and wg == 0:
+            named_sync(1, NTH)                  # warpgroup 1's last hand-over (no pending arrivals at exit)
         lr0 = quad_sum(st[2], scrf)
         lr1 = quad_sum(st[3], scrf)
         inv0 = one / lr0
@@ -2470,7 +2639,11 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3):
 # single-warpgroup wgmma kernel (wgr: <= 168 registers).  qk_norm_rope's fused per-token pack
 # always runs the mma kernel.
 _variant8 = os.environ.get("FLUX_ATTN_8BIT_KERNEL", "auto")
-_VARIANTS8 = ("auto", "mma", "wg", "wgr", "wgb")
+_AUTO8 = "wgbp"
+# wgb family (_make_kernel8_wgb): wgb = the 2026-11-29 session-3 kernel; wgbp = ping-pong warpgroups
+# with a 4-stage ring; wgbpf = wgbp with the int32-direct softmax (FS).
+_WGB = {"wgb": {}, "wgbp": {"PP": True, "STAGES": 4}, "wgbpf": {"PP": True, "STAGES": 4, "FS": True}}
+_VARIANTS8 = ("auto", "mma", "wg", "wgr", *_WGB)
 
 
 def set_variant8(name):
@@ -2483,8 +2656,8 @@ def set_variant8(name):
 def _kernel8(D, has_mask, wg=None, per_tok=False):
     key = (D, bool(has_mask), wg, bool(per_tok))
     kern = _kernels8.get(key)
-    if kern is None and wg == "wgb":
-        kern = _kernels8[key] = _make_kernel8_wgb(D, bool(has_mask))
+    if kern is None and wg in _WGB:
+        kern = _kernels8[key] = _make_kernel8_wgb(D, bool(has_mask), QTOK=bool(per_tok), **_WGB[wg])
     if kern is None:
         kern = _kernels8[key] = (_make_kernel8_wg(D, bool(has_mask), 168 if wg == "wgr" else None) if wg
                                  else _make_kernel8(D, bool(has_mask), bool(per_tok)))
@@ -2594,7 +2767,11 @@ _QNT = 128
 _qkernels = {}
 
 
-def _make_prepass(D):
+def _make_prepass(D, TK=False, KONLY=False):
+    """TK: K8 is written as tile_kv's image (8-row x 16-byte core matrices, rows of Lt per head:
+    the buffer's rows past Lp must be zero, see _scratch8_tiled) for the Hopper wgb kernels' bulk
+    copies -- no separate relayout launch.  KONLY: K alone (grid z = 1; the fused FLUX path takes
+    Q8 and its per-token scales from qk_norm_rope's pack)."""
     DW = D // 2
     NTH = _QNT
     RS = NTH // DW          # rows per register step
@@ -2615,7 +2792,7 @@ def _make_prepass(D):
         return min(max(y, -127), 127) & 0xFF
 
     @cuda.jit(fastmath=True)
-    def kern(q, k, qs0, qs1, qs2, ks0, ks1, ks2, q8out, k8out, qsc, ksc, L, Lp, H):
+    def kern(q, k, qs0, qs1, qs2, ks0, ks1, ks2, q8out, k8out, qsc, ksc, L, Lp, H, Lt):
         red = cuda.shared.array(RED, float32)
         part = cuda.shared.array(PART, float32)
         vals = cuda.local.array(NV, float32)
@@ -2627,7 +2804,7 @@ def _make_prepass(D):
         h = bh - b * H
         blk = cuda.blockIdx.x
         r0 = blk * 64
-        isk = cuda.blockIdx.z
+        isk = 1 if KONLY else cuda.blockIdx.z
         if isk:
             x = k
             out = k8out
@@ -2721,6 +2898,7 @@ def _make_prepass(D):
         i2 = float32(127) / m2
         i3 = float32(127) / m3
         ob = bh * Lp * DW + r0 * DW + w
+        tb = bh * Lt * DW + (w // 8) * 64 + w % 8
         for i in range(NI):
             gq = i // IPG
             inv = i0
@@ -2731,15 +2909,20 @@ def _make_prepass(D):
             elif gq == 3:
                 inv = i3
             wv = q8(vals[2 * i], inv) | (q8(vals[2 * i + 1], inv) << 8)
-            out[ob + (RS * i + hs) * DW] = wv - ((wv >> 15) << 16)   # as a signed int16
+            wv = wv - ((wv >> 15) << 16)   # as a signed int16
+            if TK and isk:
+                row = r0 + RS * i + hs
+                out[tb + (row // 8) * (DW * 8) + (row % 8) * 8] = wv
+            else:
+                out[ob + (RS * i + hs) * DW] = wv
 
     return kern
 
 
-def _qkernel(D):
-    k = _qkernels.get(D)
+def _qkernel(D, TK=False, KONLY=False):
+    k = _qkernels.get((D, TK, KONLY))
     if k is None:
-        k = _qkernels[D] = _make_prepass(D)
+        k = _qkernels[(D, TK, KONLY)] = _make_prepass(D, TK, KONLY)
     return k
 
 
@@ -2766,15 +2949,39 @@ def _scratch8(B, H, Lp, D, dev):
     return ent
 
 
-def _prepass(q, k, qw=None, kw=None):
+def _scratch8_tiled(B, H, Lp, Lt, D, dev):
+    """The tiled K8 buffer (int8 [B, H, Lt, D], zero-filled once: the pre-pass never writes its
+    rows past Lp, part of the key) and its 16-bit / word numba views, cached like _scratch8."""
+    capturing = (not _rt.SIMULATOR) and torch.cuda.is_current_stream_capturing()
+    key = ("tiled", B, H, Lp, Lt, D, str(dev), 0 if _rt.SIMULATOR else torch.cuda.current_stream().cuda_stream)
+    ent = None if capturing else _scratch.get(key)
+    if ent is None:
+        k8t = torch.zeros((B, H, Lt, D), dtype=torch.int8, device=dev)
+        ent = (k8t, _c_arr(k8t.reshape(-1).view(torch.int16)), _arr(k8t))
+        if not capturing:
+            if len(_scratch) > 8:
+                _scratch.clear()
+            _scratch[key] = ent
+    return ent
+
+
+def _prepass(q, k, qw=None, kw=None, tiled=0, konly=False):
+    """tiled: 0, or the wgb kernels' key-tile width -> K8 written as its tile image into
+    _scratch8_tiled (returned as ent[1] / ent[5] / ent[7] of a copy of the scratch entry).
+    konly: quantize K alone (ent's Q8 / Q-scale buffers are left as they were)."""
     B, H, L, D = q.shape
     Lp = -(-L // _BN) * _BN
     ent = _scratch8(B, H, Lp, D, q.device)
+    Lt = Lp
+    if tiled:
+        Lt = -(-L // tiled) * tiled
+        t = _scratch8_tiled(B, H, Lp, Lt, D, q.device)
+        ent = (ent[0], t[0], ent[2], ent[3], ent[4], t[1], ent[6], t[2], ent[8], ent[9])
     qw = _words(q) if qw is None else qw
     kw = _words(k) if kw is None else kw
-    _qkernel(D)[(Lp // 64, B * H, 2), _QNT, _rt.stream()](
+    _qkernel(D, bool(tiled), bool(konly))[(Lp // 64, B * H, 1 if konly else 2), _QNT, _rt.stream()](
         qw, kw, q.stride(0) // 2, q.stride(1) // 2, q.stride(2) // 2,
-        k.stride(0) // 2, k.stride(1) // 2, k.stride(2) // 2, ent[4], ent[5], ent[8], ent[9], L, Lp, H)
+        k.stride(0) // 2, k.stride(1) // 2, k.stride(2) // 2, ent[4], ent[5], ent[8], ent[9], L, Lp, H, Lt)
     return ent, Lp
 
 
@@ -2799,14 +3006,26 @@ def numba_attention_8bit(q, k, v, mask=None, out=None):
         q, k = q.contiguous(), k.contiguous()
     if not _cp_ok(v):
         v = v.contiguous()
+    v8 = ("mma" if _rt.SIMULATOR else _AUTO8) if _variant8 == "auto" else _variant8
+    wg = v8 if (v8 != "mma" and _wg_ok(D, q.device)) else None
+    if pk is not None and wg not in _WGB:
+        wg = None               # the pack's per-token scales: the mma kernel or the wgb family (QTOK)
+    if wg in _WGB and pk is None and _PREPASS != "numba":
+        wg = "wg"
+    kern = _kernel8(D, mask is not None, wg, pk is not None)
+    BNt = kern.tile_kv if wg in _WGB else 0     # wgb: K8 and V as tile images for the bulk copies
     if pk is not None:  # fused: qk_norm_rope already wrote int8 Q/K + per-token scales
         Lp = pk.Lp
         arrs = pk.views.get("attn8")
         if arrs is None:  # numba views cached with the (scratch) buffers
             arrs = pk.views["attn8"] = (_arr(pk.q8), _arr(pk.k8), _c_arr(pk.qs), _c_arr(pk.ks))
         q8a, k8a, qsa, ksa = arrs
+        if BNt:         # Q8 + per-token Q scales from the pack; K8 tiled + per-64-key scales here
+            ent, Lk = _prepass(q, k, tiled=BNt, konly=True)
+            assert Lk == Lp, (Lk, Lp)
+            k8a, ksa = ent[7], ent[9]
     elif _PREPASS == "numba":
-        ent, Lp = _prepass(q, k)
+        ent, Lp = _prepass(q, k, tiled=BNt)     # K8 straight in the tile layout when BNt
         q8a, k8a, qsa, ksa = ent[6], ent[7], ent[8], ent[9]
     else:
         q8, k8, qs, ks, Lp = quantize_8bit(q, k)
@@ -2822,15 +3041,9 @@ def numba_attention_8bit(q, k, v, mask=None, out=None):
         marr = _dummy_mask.get(q.device)
         if marr is None:
             marr = _dummy_mask[q.device] = _f32_1d(torch.zeros(1, dtype=torch.float32, device=q.device))
-    v8 = ("mma" if _rt.SIMULATOR else "wgb") if _variant8 == "auto" else _variant8
-    wg = v8 if (pk is None and v8 != "mma" and _wg_ok(D, q.device)) else None
-    if wg == "wgb" and _PREPASS != "numba":
-        wg = "wg"
-    kern = _kernel8(D, mask is not None, wg, pk is not None)
     rows, nth = _BM, _NW * 32
-    if wg == "wgb":   # K8 and V as tile images for the bulk copies
-        k8a = _words(tile_kv(ent[1].view(torch.int16), None, kern.tile_kv)[0])
-        v = tile_kv(v, None, kern.tile_kv)[0]
+    if BNt:
+        v = tile_kv(v, None, BNt)[0]
         rows, nth = kern.rows, kern.nth
     args = (q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,
             v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,

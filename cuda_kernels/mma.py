@@ -346,6 +346,11 @@ if not SIMULATOR:
     def bf16_hi(w):
         return _bits_f32(w & int32(-65536))
 
+    @cuda.jit(device=True, inline=True)
+    def bits_f32(w):
+        """The float32 whose bits are the int32 w (a register move, no conversion)."""
+        return _bits_f32(w)
+
 else:
     # ------------------------------------------------------------------ simulator fallbacks
     def _f32_to_bf16_bits(x):
@@ -530,6 +535,10 @@ else:
         return np.float32(_bits_to_f32(_half(w, 0)))
 
     @cuda.jit(device=True)
+    def bits_f32(w):
+        return np.array([w], dtype=np.int64).astype(np.uint32).view(np.float32)[0]
+
+    @cuda.jit(device=True)
     def bf16_hi(w):
         return np.float32(_bits_to_f32(_half(w, 1)))
 
@@ -684,6 +693,8 @@ def cp_wait_n(n):
 #   bulk_g2s(sm, saddr, gm, gword, nbytes, mbar)   global word gword.. -> shared byte address
 #                                      saddr, nbytes (multiple of 16, 16-byte aligned both sides)
 #   named_sync(id, nthreads)           bar.sync id, nthreads (a barrier for a subset of warps)
+#   named_arrive(id, nthreads)         bar.arrive id, nthreads (count this thread, do not wait: the
+#                                      producer side of a named barrier, e.g. the ping-pong turns)
 # mbs: the int32 shared array holding the mbarriers (8 bytes each); addr / saddr: 32-bit
 # shared-window byte addresses (smem_base(array) + offset).  In the simulator the copies are
 # synchronous and an mbarrier is emulated in its two words (pending count; phase << 16 | count),
@@ -709,6 +720,7 @@ if not SIMULATOR:
     _mbar_init = _asm_2i("mbarrier.init.shared::cta.b64 [$0], $1;")
     _mbar_expect_tx = _asm_2i("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;")
     _named_sync = _asm_2i("bar.sync $0, $1;")
+    _named_arrive = _asm_2i("bar.arrive $0, $1;")
 
     @intrinsic
     def _mbar_arrive(typingctx, addr):
@@ -783,12 +795,15 @@ if not SIMULATOR:
     @cuda.jit(device=True, inline=True)
     def named_sync(bar_id, nthreads):
         _named_sync(bar_id, nthreads)
+
+    @cuda.jit(device=True, inline=True)
+    def named_arrive(bar_id, nthreads):
+        _named_arrive(bar_id, nthreads)
 else:
     import threading as _threading
     import time as _time
 
     _named = {}
-    _named_lock = _threading.Lock()
 
     @cuda.jit(device=True)
     def mbar_init(mbs, addr, count):
@@ -821,12 +836,28 @@ else:
         for i in range(nbytes // 4):
             sm[saddr // 4 + i] = gm[gword + i]
 
+    _named_cv = _threading.Condition()
+
+    def _named_hit(bar_id, nthreads, wait):
+        # per (block, id): [arrivals in the current phase, phase]; the nthreads-th arrival (a sync or
+        # an arrive) completes the phase and releases the waiting syncs of that phase
+        key = (tuple(cuda.blockIdx), bar_id)
+        with _named_cv:
+            st = _named.setdefault(key, [0, 0])
+            ph = st[1]
+            st[0] += 1
+            if st[0] == nthreads:
+                st[0] = 0
+                st[1] += 1
+                _named_cv.notify_all()
+            elif wait:
+                while st[1] == ph:
+                    _named_cv.wait(0.05)
+
     @cuda.jit(device=True)
     def named_sync(bar_id, nthreads):
-        # a reusable barrier per (block, id) for nthreads simulated threads
-        key = (tuple(cuda.blockIdx), bar_id)
-        with _named_lock:
-            b = _named.get(key)
-            if b is None or b.parties != nthreads:
-                b = _named[key] = _threading.Barrier(nthreads)
-        b.wait()
+        _named_hit(bar_id, nthreads, True)
+
+    @cuda.jit(device=True)
+    def named_arrive(bar_id, nthreads):
+        _named_hit(bar_id, nthreads, False)

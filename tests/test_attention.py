@@ -218,6 +218,22 @@ def test_8bit_prepass_numba_matches_torch(B, H, L, D):
         assert torch.allclose(x, y, rtol=1e-5)
 
 
+@pytest.mark.parametrize("B,H,L", [(1, 2, 100), (2, 1, 130)])
+def test_8bit_prepass_tiled_k8(B, H, L):
+    # the pre-pass writing K8 straight in tile_kv's layout (the wgb kernels' bulk-copy image):
+    # equal to tile_kv_reference of its row-major K8; rows past Lp (L=130: Lp 192, 256 rows) zero
+    D = 32
+    q, k, v = make(B, H, L, D, seed=23)
+    k = (k - 1.5).to(torch.bfloat16)
+    k8 = A.quantize_8bit_numba(q, k)[1].clone()
+    ent, Lp = A._prepass(q, k, tiled=128)
+    Lt = -(-L // 128) * 128
+    assert ent[1].shape == (B, H, Lt, D)
+    want = A.tile_kv_reference(k8.view(torch.int16), 128).view(torch.int8)
+    assert torch.equal(ent[1], want)
+    assert torch.equal(ent[0][:, :, :L], A.quantize_8bit_numba(q, k)[0][:, :, :L])
+
+
 # ---------------------------------------------------------------- Hopper wgmma (variants "wg", "wg2", 8-bit "wg")
 def _wg_layout(B, kind, transb):
     """Shared-memory image (int32 words) of B [K, N] in the no-swizzle core-matrix layout the
@@ -326,7 +342,8 @@ def test_attention_numba_wgmma_variants(var):
     assert rel(out, ref32(q, k, v)) < 1.2e-2
 
 
-@pytest.mark.parametrize("var,L", [("wg", 40), ("wgb", 40), ("wgb", 400)])
+@pytest.mark.parametrize("var,L", [("wg", 40), ("wgb", 40), ("wgb", 400), ("wgbp", 40), ("wgbp", 400),
+                                   ("wgbpf", 400)])
 def test_attention_8bit_wgmma(var, L):
     # wgb: 128-key tiles through tile_kv + bulk copies, 2 warpgroups (L=400: the ring wraps, ragged)
     B, H, D = 1, 1, 32
@@ -386,10 +403,16 @@ def test_attention_numba_w32_two_q_passes_strided_out():
 
 
 # ---------------------------------------------------------------- numba-8bit fed by qk_norm_rope(quant8=True)
-def test_attention_8bit_fused_quant8_pack(monkeypatch):
+@pytest.mark.parametrize("var", ["auto", "wgbp"])
+def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
     """q/k/v and the int8 pack from qk_norm_rope (txt + img parts, batch 2, ragged L = 41, K with a
     channel offset); the 8-bit kernel with per-token scales vs fp32 attention, unmasked and masked;
-    the pack is taken only for the very q/k objects it was made from."""
+    the pack is taken only for the very q/k objects it was made from.  wgbp: the Hopper kernel with
+    the pack's Q8 + per-token Q scales and a K-only pre-pass (QTOK; in the simulator at D = 32, on
+    the GPU only at D = 128 -> mma here)."""
+    if var != "auto" and not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs sm_90")
+    monkeypatch.setattr(A, "_variant8", var)
     g = torch.Generator().manual_seed(5)
     B, H, D, L1, L2 = 2, 1, 32, 6, 35
     L = L1 + L2
@@ -429,7 +452,8 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch):
                                            ("wgpp64", 100, False), ("wgpp32x2s4f", 150, True),
                                            ("wgpp32x2s6", 40, False), ("wgpp32x1s3b", 100, True),
                                            ("wgpp32x2s3w", 150, True), ("wgpp32x1s3w", 20, False),
-                                           ("wgpp32x2s3e", 150, True)])
+                                           ("wgpp32x2s3e", 150, True), ("wgpp32x2s3p", 150, True),
+                                           ("wgpp32x2s3p", 20, False)])
 def test_attention_numba_wgmma_pipelined(var, L, masked):
     # wgp: 3-stage ring over 4 KV tiles (stage 0 reused, ragged) with a bool mask; wgpp: S(j+1)
     # issued with P(j) V(j), incl. the phantom tile after the last (one tile: L=20); wgpp64: 64-key tiles;
@@ -437,7 +461,8 @@ def test_attention_numba_wgmma_pipelined(var, L, masked):
     # full ones, ragged, masked) / 6-stage ring longer than the sequence (2 tiles: empty groups);
     # wgpp32x1s3b: K / V tiles through tile_kv and bulk copies (ragged, zero-padded last tile);
     # wgpp32x2s3w / 32x1s3w: the same fed by a producer warp (ring wraps; one tile + phantom);
-    # wgpp32x2s3e: stage releases on mbarriers, no block barrier in the loop
+    # wgpp32x2s3e: stage releases on mbarriers, no block barrier in the loop; wgpp32x2s3p: the
+    # same with ping-pong warpgroups (named-barrier turns; ring wraps / one tile + phantom)
     if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
     B, H, D = 1, 1, 32
@@ -540,3 +565,33 @@ def test_attention_numba_default_hopper_d128(B, H, L, masked, strided):
     # sanitizers) rounds less (0.17% vs 0.22% here), so it gets x 1.5
     slack = 1.5 if os.environ.get("FLUX_TEST_MATH_SDPA") == "1" else 1.1
     assert e <= slack * e16 + 1e-4, (e, e16)
+
+
+@pytest.mark.parametrize("B,H,L,masked,fused", [(1, 3, 333, False, False), (2, 2, 1000, True, False),
+                                                (1, 2, 64, False, False), (1, 3, 333, False, True),
+                                                (2, 2, 700, False, True), (1, 2, 150, True, True)])
+def test_attention_8bit_default_hopper_d128(B, H, L, masked, fused):
+    # the 8-bit op's default on Hopper at head dim 128: wgbp (ping-pong warpgroups, 4-stage ring,
+    # K8 written tiled by the pre-pass); fused: fed a qk_norm_rope-style per-token Quant8 pack
+    # (QTOK: its Q8 + per-token Q scales, K from a K-only pre-pass); ragged tails, partial tiles, masks
+    if runtime.SIMULATOR:
+        pytest.skip("GPU only: the simulator runs this kernel's code at head dim 32 "
+                    "(test_attention_8bit_wgmma, test_attention_8bit_fused_quant8_pack)")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs sm_90")
+    from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
+    D = 128
+    q, k, v = make(B, H, L, D, seed=L + 3)
+    k = (k + 1.0).to(torch.bfloat16)
+    mask = bool_mask(L, 7, 1) if masked else None
+    out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    if fused:
+        q8, k8, qs, ks, Lp, km = QK.quant8_reference(q, k)
+        pk = QK.Quant8(q, k, q8, k8, qs.contiguous(), ks.contiguous(), km, Lp, {})
+        with A.prequantized(pk):
+            run_numba("numba-8bit", q, k, v, mask, out=out)
+    else:
+        run_numba("numba-8bit", q, k, v, mask, out=out)
+    assert not torch.isnan(out).any()
+    e = rel(out, ref32(q, k, v, mask))
+    assert e < 2e-2, e
