@@ -87,6 +87,13 @@ scales cost the kernel ~0.1 ms, so the fusion is 5% slower, but more accurate: 1
 1.32-1.47% (fp32 reference; SDPA bf16 0.23%).  Bar (<= 0.33 ms) not met by either.
 ``FLUX_ATTN_8BIT_KERNEL=wg|wgr`` / ``set_variant8``: Hopper kernel, S on wgmma m64n64k32 s8
 (correct at D=128, 1.49 ms: slower than the mma.sync kernel; D=128 only on the GPU).
+Since session 3 the Hopper default at D=128 is the wgb family (``_make_kernel8_wgb``: the bf16
+default's bulk-copy structure with S on int8 wgmma); session 4: ``wgbp`` (ping-pong warpgroups,
+4-stage ring) 0.487 ms kernel, and with qk_norm_rope's pack it uses the pack's Q8 + per-token Q
+scales and quantizes K itself (QTOK; per-token K scales would need a scale per S column: measured
+0.80 ms).  The 0.33 ms bar: K / V bulk traffic (1.5 GB per call at 128-row blocks) bounds the
+kernel at ~0.49 ms and its compute alone at ~0.40 (no-load ablation); FP8 P V, the way past both,
+costs 2.9-3.9% error on the bar's inputs (bench/attn8_fp8_error.py) against the 2% bar.
 """
 import torch
 import torch.nn.functional as F
@@ -2385,9 +2392,9 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
     """Hopper 8-bit kernel (variant ``wgb``) on the bf16 default's structure: 2 warpgroups x 64
     query rows, BN-key tiles in a STAGES ring fed by bulk copies (thread 0, mbarriers), S(j+1)
     issued with P(j) V(j).  S = Q8 K8^T on wgmma m64nBNk32 s8 (exact int32) x (per-16-row Q scale
-    x per-64-key K scale, the pre-pass's); P V on bf16 wgmma.  k: the pre-pass's padded int8 K
-    through tile_kv (viewed as 16-bit pairs: the same core-matrix image, 16 values per 16-byte
-    chunk); v: tile_kv(v); q: the padded int8 Q (cp.async once).
+    x per-64-key K scale, the pre-pass's); P V on bf16 wgmma.  k: the int8 K in tile_kv's image
+    (viewed as 16-bit pairs: the same core-matrix layout, 16 values per 16-byte chunk), written so
+    by the pre-pass (_make_prepass TK); v: tile_kv(v); q: the padded int8 Q (cp.async once).
     PP (variant ``wgbp``): FA3's ping-pong -- the two warpgroups take turns issuing their wgmma
     (named barriers 1 and 2: a warpgroup waits for its turn, issues S(j+1) and P(j) V(j), hands
     the turn over), so one warpgroup's softmax runs while the other's matrix products use the
@@ -2634,10 +2641,12 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
     return kern
 
 
-# "auto" (default): wgb on Hopper at head dim 128 with the Numba pre-pass (0.67 ms vs mma's 0.90 at
-# the FLUX shape, same error: FLUX_ABL_8BIT=mma,wgb bench/gpu_attn_ablate.py), else mma; "wg" / "wgr": the older
-# single-warpgroup wgmma kernel (wgr: <= 168 registers).  qk_norm_rope's fused per-token pack
-# always runs the mma kernel.
+# "auto" (default): _AUTO8 = wgbp on Hopper at head dim 128 (kernel 0.487 ms at the FLUX shape vs
+# wgb's 0.51-0.52; op with the Numba pre-pass 0.66 ms, fed by qk_norm_rope's fused pack 0.62 ms
+# vs the mma kernel's 0.90, same error: bench/gpu_attn_ablate.py FLUX_ABL_8K / FLUX_ABL_8BIT /
+# FLUX_ABL_8PT), else mma; "wg" / "wgr": the older single-warpgroup wgmma kernel (wgr: <= 168
+# registers).  With qk_norm_rope's per-token pack the wgb family takes the pack's Q8 + Q scales
+# (QTOK) and quantizes K itself (K-only pre-pass, tile layout); the mma kernel takes the whole pack.
 _variant8 = os.environ.get("FLUX_ATTN_8BIT_KERNEL", "auto")
 _AUTO8 = "wgbp"
 # wgb family (_make_kernel8_wgb): wgb = the 2026-11-29 session-3 kernel; wgbp = ping-pong warpgroups

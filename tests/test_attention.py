@@ -146,6 +146,33 @@ def _frag_kernel(kind):
     return k
 
 
+def test_bits_f32_and_magic_bias():
+    # mma.bits_f32 reinterprets an int32 as float32 (no conversion); the 8-bit softmax (FS) relies
+    # on bits(x + _MAGIC) == 12582912 + x exactly for |x| < 2^22 (any int32 Q8 K8^T dot product)
+    import numpy as np
+    xs = np.array([0, 1, -1, 2064512, -2064512, 12345, -(1 << 22) + 1, (1 << 22) - 1], dtype=np.int32)
+    raw = np.array([0x3F800000, -0x40800000, 0x7F7FFFFF, 1], dtype=np.int32)   # 1.0, -1.0, max, denormal
+
+    @cuda.jit
+    def k(x, r, outm, outr):
+        i = cuda.threadIdx.x
+        if i < x.size:
+            outm[i] = mma.bits_f32(x[i] + A._MAGIC) - np.float32(A._MAGIC_F)
+        if i < r.size:
+            outr[i] = mma.bits_f32(r[i])
+
+    outm = np.zeros(xs.size, dtype=np.float32)
+    outr = np.zeros(raw.size, dtype=np.float32)
+    if runtime.SIMULATOR:
+        k[1, 32](xs, raw, outm, outr)
+    else:
+        dm, dr = cuda.to_device(outm), cuda.to_device(outr)
+        k[1, 32](cuda.to_device(xs), cuda.to_device(raw), dm, dr)
+        outm, outr = dm.copy_to_host(), dr.copy_to_host()
+    assert np.array_equal(outm, xs.astype(np.float32))
+    assert np.array_equal(outr.view(np.int32), raw)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "f16", "s8"])
 def test_mma_fragment_layout(kind):
     import numpy as np
