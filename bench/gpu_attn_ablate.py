@@ -8,9 +8,8 @@
 FLUX_ABL_8PT=auto,mma: the 8-bit op fed by a qk_norm_rope-style Quant8 pack (per-token scales, the
 FLUX blocks' path: no pre-pass; wgb family = PTOK), per kernel variant.
 FLUX_ABL_8K: the 8-bit wgb kernel alone (inputs quantized and re-laid out once, outside the
-timing), per "PF[S[C]]" = ping-pong warpgroups (P=1: _make_kernel8_wgb PP), the int32-direct
-softmax (F=1: FS), optionally the ring's stages S (3) and C=1: clusters of 2 blocks sharing
-each K / V tile by multicast (CL); FLUX_ABL_8FLAGS: its ABL bits
+timing), per "PF[S]" = ping-pong warpgroups (P=1: _make_kernel8_wgb PP), the int32-direct
+softmax (F=1: FS) and optionally the ring's stages S (3); FLUX_ABL_8FLAGS: its ABL bits
 (1 = no K/V copies, 2 = no softmax).
 
 A config "BNxNWGsS[f]" is the kernel's key-tile width, warpgroups per block (64 query rows each),
@@ -105,10 +104,9 @@ def main():
             for flag in [int(f) for f in os.environ.get("FLUX_ABL_8FLAGS", "0").split(",")]:
                 name = "+".join(NAMES[b] for b in NAMES if flag & b) or "full"
                 nst = int(cfg[2]) if len(cfg) > 2 else 3
-                cl = len(cfg) > 3 and cfg[3] == "1"
-                label = f"wgb8 PP={cfg[0]} FS={cfg[1]} S={nst}" + (" CL" if cl else "")
+                label = f"wgb8 PP={cfg[0]} FS={cfg[1]} S={nst}"
                 try:
-                    kern = A._make_kernel8_wgb(D, False, STAGES=nst, PP=cfg[0] == "1", FS=cfg[1] == "1", CL=cl, ABL=flag)
+                    kern = A._make_kernel8_wgb(D, False, STAGES=nst, PP=cfg[0] == "1", FS=cfg[1] == "1", ABL=flag)
                     run = lambda: A._go(kern, ((L + kern.rows - 1) // kern.rows, B * H), kern.nth, args, q.device)  # noqa: E731
                     dst.fill_(float("nan"))
                     run()

@@ -597,20 +597,16 @@ def test_attention_numba_default_hopper_d128(B, H, L, masked, strided):
 @pytest.mark.parametrize("B,H,L,masked,fused", [(1, 3, 333, False, False), (2, 2, 1000, True, False),
                                                 (1, 2, 64, False, False), (1, 3, 333, False, True),
                                                 (2, 2, 700, False, True), (1, 2, 150, True, True)])
-@pytest.mark.parametrize("var", ["auto", "wgbpc"])
-def test_attention_8bit_default_hopper_d128(B, H, L, masked, fused, var, monkeypatch):
+def test_attention_8bit_default_hopper_d128(B, H, L, masked, fused):
     # the 8-bit op's default on Hopper at head dim 128: wgbp (ping-pong warpgroups, 4-stage ring,
     # K8 written tiled by the pre-pass); fused: fed a qk_norm_rope-style per-token Quant8 pack
-    # (QTOK: its Q8 + per-token Q scales, K from a K-only pre-pass); ragged tails, partial tiles, masks;
-    # wgbpc: the same in clusters of 2 blocks (multicast K / V; L=333 / 64 / 150: odd block counts,
-    # rounded up to whole clusters)
+    # (QTOK: its Q8 + per-token Q scales, K from a K-only pre-pass); ragged tails, partial tiles, masks
     if runtime.SIMULATOR:
         pytest.skip("GPU only: the simulator runs this kernel's code at head dim 32 "
                     "(test_attention_8bit_wgmma, test_attention_8bit_fused_quant8_pack)")
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
     from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
-    monkeypatch.setattr(A, "_variant8", var)
     D = 128
     q, k, v = make(B, H, L, D, seed=L + 3)
     k = (k + 1.0).to(torch.bfloat16)
