@@ -563,16 +563,21 @@ def test_tile_kv_layout(L, BN):
     assert torch.equal(flat, want)
 
 
+def _hopper_gpu_only(sim_tests):
+    """Skip unless on a Hopper GPU: the wgmma kernels run at head dim 128 only there (the simulator
+    runs their code at head dim 32 in ``sim_tests``)."""
+    if runtime.SIMULATOR:
+        pytest.skip(f"GPU only: the simulator runs this kernel's code at head dim 32 ({sim_tests})")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs sm_90")
+
+
 @pytest.mark.parametrize("B,H,L,masked,strided", [(1, 2, 300, False, False), (2, 3, 1000, True, True),
                                                   (1, 1, 128, False, True), (1, 1, 5, True, False)])
 def test_attention_numba_default_hopper_d128(B, H, L, masked, strided):
     # the op's default on Hopper at head dim 128 (FLUX): wgpp128x2s3b -- tile_kv + bulk copies;
     # ragged tails, one partial tile, masks, FLUX's strided q/k/v views, an out view
-    if runtime.SIMULATOR:
-        pytest.skip("GPU only: the simulator runs this kernel's code at head dim 32 "
-                    "(test_attention_numba_wgmma_pipelined)")
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("wgmma needs sm_90")
+    _hopper_gpu_only("test_attention_numba_wgmma_pipelined")
     D = 128
     g = torch.Generator(device=DEV).manual_seed(L + B)
     if strided:   # [B, L, 3, H, D] like a qkv projection, viewed as [B, H, L, D]
@@ -601,11 +606,7 @@ def test_attention_8bit_default_hopper_d128(B, H, L, masked, fused):
     # the 8-bit op's default on Hopper at head dim 128: wgbp (ping-pong warpgroups, 4-stage ring,
     # K8 written tiled by the pre-pass); fused: fed a qk_norm_rope-style per-token Quant8 pack
     # (QTOK: its Q8 + per-token Q scales, K from a K-only pre-pass); ragged tails, partial tiles, masks
-    if runtime.SIMULATOR:
-        pytest.skip("GPU only: the simulator runs this kernel's code at head dim 32 "
-                    "(test_attention_8bit_wgmma, test_attention_8bit_fused_quant8_pack)")
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("wgmma needs sm_90")
+    _hopper_gpu_only("test_attention_8bit_wgmma, test_attention_8bit_fused_quant8_pack")
     from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
     D = 128
     q, k, v = make(B, H, L, D, seed=L + 3)
