@@ -1882,33 +1882,11 @@ def _launch(kern, q, k, v, dst, marr, mst, rows, nth):
     _go(kern, grid, nth, args, q.device)
 
 
-def _launch_cluster(kern, grid, nth, args, dyn, ncl):
-    """Numba's own launch (its argument marshalling) with a cuda.core LaunchConfig that has
-    cluster dims (grid counted in clusters, cuda.core >= 0.4)."""
-    from cuda.core import LaunchConfig, launch
-    from numba.cuda.cudadrv import driver as _drv
-    k = kern.compile(tuple(kern.typeof_pyval(a) for a in args))
-    stream = _rt.stream()
-    kargs, retr = [], []
-    for t, a in zip(k.argument_types, args):
-        k._prepare_args(t, a, stream, retr, kargs)
-    cfg = LaunchConfig(grid=(grid[0] // ncl, grid[1], 1), cluster=(ncl, 1, 1), block=(nth, 1, 1), shmem_size=dyn)
-    # the stream as numba's own launch converts it (the stream protocol of numba's Stream gives a
-    # flag object for torch's default stream, which cuda.core does not take as that stream)
-    launch(_drv._to_core_stream(stream), cfg, k._codelibrary.get_cufunc().kernel, *kargs)
-
-
 def _go(kern, grid, nth, args, dev):
     """Launch on torch's stream; a kernel with > 48 KB of dynamic shared memory (``dyn_smem``) is
-    opted in once per device first; one built for thread-block clusters (``cluster`` > 1) gets grid
-    x rounded up to whole clusters (the extra block only helps with the copies) and is launched
-    through cuda.core with cluster dims (numba-cuda's launcher sets none)."""
+    opted in once per device first."""
     dyn = getattr(kern, "dyn_smem", 0)
-    ncl = getattr(kern, "cluster", 1)
-    if ncl > 1:
-        _dyn_optin(kern, args, dyn, dev)
-        _launch_cluster(kern, (-(-grid[0] // ncl) * ncl, grid[1]), nth, args, dyn, ncl)
-    elif dyn:
+    if dyn:
         _dyn_optin(kern, args, dyn, dev)
         kern[grid, nth, _rt.stream(), dyn](*args)
     else:
@@ -2410,7 +2388,7 @@ def _make_kernel8_wg(D, has_mask, maxreg=None):
     return kern
 
 
-def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=False, CL=False, ABL=0):
+def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=False, ABL=0):
     """Hopper 8-bit kernel (variant ``wgb``) on the bf16 default's structure: 2 warpgroups x 64
     query rows, BN-key tiles in a STAGES ring fed by bulk copies (thread 0, mbarriers), S(j+1)
     issued with P(j) V(j).  S = Q8 K8^T on wgmma m64nBNk32 s8 (exact int32) x (per-16-row Q scale
@@ -2428,19 +2406,9 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
     its per-64-key scales from the K-only pre-pass (the per-token K scales would cost a scale per
     column: measured 0.80 ms against 0.49 with them read from L1): each thread's two rows get
     their own factors, f(row, half) = q_scale[row] x k_scale[half].
-    CL (with PP, GPU only; variant ``wgbpc``): a thread-block cluster of 2 blocks (adjacent query
-    blocks of one head, launched by _go with cluster dims) shares every K / V tile: each block
-    copies half of it with a multicast bulk copy that lands in both blocks' shared memory and
-    counts on both blocks' full mbarriers (each expects the whole tile), so the K / V traffic from
-    L2 halves (the 4-stage PP kernel waits on it: 0.487 ms vs 0.397 without copies).  A stage is
-    reused only after both blocks' 8 warps released it (their empty mbarriers count 16: local +
-    remote arrives); cluster barriers after the mbarrier init and before exit.  In the simulator
-    (blocks run one at a time) CL is off.
     ABL (benchmark ablations, wrong results on purpose; 0 in the product): bit 1 skips the loop's
     K / V copies and their waits, 2 the softmax (P = S)."""
     NWG = 2
-    CL = CL and PP and not _rt.SIMULATOR
-    NCL = 2 if CL else 1
     BM = 64 * NWG
     NTH = 128 * NWG
     CH8 = D // 16
@@ -2483,29 +2451,6 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
     EMPTY = 8 * STAGES                  # byte offset of the empty mbarriers (PP)
     ISSUER = 128 if PP else 0           # PP: the lagging warpgroup's first thread issues the loop's tiles
     named_sync, named_arrive, mbar_arrive = _mma.named_sync, _mma.named_arrive, _mma.mbar_arrive
-    mbar_expect_tx, bulk_g2s_mc = _mma.mbar_expect_tx, _mma.bulk_g2s_mc
-    mbar_arrive_remote, mbar_wait_cluster = _mma.mbar_arrive_remote, _mma.mbar_wait_cluster
-    cluster_rank, cluster_sync = _mma.cluster_rank, _mma.cluster_sync
-    HK, HV = TB8 // 2, TBV // 2         # CL: each block's half of a K / V tile (bytes)
-
-    DBG = int(os.environ.get("FLUX_ATTN_CL_DEBUG", "0"))
-
-    @cuda.jit(device=True, inline=True)
-    def issue_mc(sm, mbs, kb, mb, k, v, kbase, vbase, t, stage, rank):
-        """CL: this block's half of tile t -> stage of both blocks; its own full mbarrier expects
-        the whole tile (the other half comes from the peer block)."""
-        if DBG == 1 or DBG >= 3:
-            issue(sm, mbs, kb, mb, k, v, kbase, vbase, t, stage)
-        elif DBG == 2:
-            mbar_expect_tx(mbs, mb + 8 * stage, SB)
-            bulk_g2s_mc(sm, kb + stage * SB, k, kbase + t * (TB8 // 4), TB8, mb + 8 * stage, 1 << rank)
-            bulk_g2s_mc(sm, kb + stage * SB + TB8, v, vbase + t * (TBV // 4), TBV, mb + 8 * stage, 1 << rank)
-        else:
-            mbar_expect_tx(mbs, mb + 8 * stage, SB)
-            bulk_g2s_mc(sm, kb + stage * SB + rank * HK, k, kbase + t * (TB8 // 4) + rank * (HK // 4), HK,
-                        mb + 8 * stage, 3)
-            bulk_g2s_mc(sm, kb + stage * SB + TB8 + rank * HV, v, vbase + t * (TBV // 4) + rank * (HV // 4), HV,
-                        mb + 8 * stage, 3)
     assert D % 32 == 0 and BN % 64 == 0 and BM * D <= SB and (BM * CH8) % NTH == 0
 
     @cuda.jit(device=True, inline=True)
@@ -2571,22 +2516,15 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
         cuda.syncthreads()
         ntiles = (L + BN - 1) // BN
         wg = warp // 4
-        rank = cluster_rank() if CL else 0
         if tid == 0:
             for i in range(STAGES):
                 mbar_init(mbs, mb + 8 * i, 1)
                 if PP:
-                    mbar_init(mbs, mb + EMPTY + 8 * i, 4 * NWG * (1 if DBG >= 3 else NCL))
+                    mbar_init(mbs, mb + EMPTY + 8 * i, 4 * NWG)
             fence_mbar_init()
-        if CL and DBG != 4:
-            cluster_sync()      # both blocks: mbarriers initialised, Q read out of stage 0
-        if tid == 0:
             for i in range(STAGES - 1):
                 if i < ntiles:
-                    if CL:
-                        issue_mc(sm, mbs, kb, mb, k, v, kbase, vbase, i, i, rank)
-                    else:
-                        issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i)
+                    issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i)
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
             acc[i] = float32(0)
@@ -2632,14 +2570,9 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
             if not PP:
                 cuda.syncthreads()              # every warp is past P(j-1) V(j-1)
             if not (ABL & 1) and tid == ISSUER and j + STAGES - 1 < ntiles:
-                if CL:                          # ... of both blocks
-                    if j >= 1:
-                        mbar_wait_cluster(mbs, mb + EMPTY + 8 * ((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
-                    issue_mc(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES, rank)
-                else:
-                    if PP and j >= 1:           # tile j-1 (this stage's last tile) released by every warp
-                        mbar_wait(mbs, mb + EMPTY + 8 * ((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
-                    issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
+                if PP and j >= 1:               # tile j-1 (this stage's last tile) released by every warp
+                    mbar_wait(mbs, mb + EMPTY + 8 * ((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
+                issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
             if not (ABL & 1) and j + 1 < ntiles:
                 mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
             if PP:
@@ -2674,8 +2607,6 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
             wg_wait0()
             if PP and lane == 0:
                 mbar_arrive(mbs, mb + EMPTY + 8 * (j % STAGES))    # this warp is done with tile j
-                if CL and DBG < 3:
-                    mbar_arrive_remote(mbs, mb + EMPTY + 8 * (j % STAGES), 1 - rank)
             al0 = st[4]
             al1 = st[5]
             if al0 < one:
@@ -2691,8 +2622,6 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
 
         if PP and wg == 0:
             named_sync(1, NTH)                  # warpgroup 1's last hand-over (no pending arrivals at exit)
-        if CL and DBG != 4:
-            cluster_sync()                      # no remote arrive may target a block that has exited
         lr0 = quad_sum(st[2], scrf)
         lr1 = quad_sum(st[3], scrf)
         inv0 = one / lr0
@@ -2709,7 +2638,6 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
     kern.tile_kv = BN
     kern.rows = BM
     kern.nth = NTH
-    kern.cluster = NCL
     return kern
 
 
@@ -2722,10 +2650,8 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
 _variant8 = os.environ.get("FLUX_ATTN_8BIT_KERNEL", "auto")
 _AUTO8 = "wgbp"
 # wgb family (_make_kernel8_wgb): wgb = the 2026-11-29 session-3 kernel; wgbp = ping-pong warpgroups
-# with a 4-stage ring; wgbpf = wgbp with the int32-direct softmax (FS); wgbpc = wgbp in clusters of
-# 2 blocks sharing each K / V tile through multicast bulk copies (CL; GPU only, = wgbp in the simulator).
-_WGB = {"wgb": {}, "wgbp": {"PP": True, "STAGES": 4}, "wgbpf": {"PP": True, "STAGES": 4, "FS": True},
-        "wgbpc": {"PP": True, "STAGES": 4, "CL": True}}
+# with a 4-stage ring; wgbpf = wgbp with the int32-direct softmax (FS).
+_WGB = {"wgb": {}, "wgbp": {"PP": True, "STAGES": 4}, "wgbpf": {"PP": True, "STAGES": 4, "FS": True}}
 _VARIANTS8 = ("auto", "mma", "wg", "wgr", *_WGB)
 
 

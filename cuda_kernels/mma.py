@@ -799,82 +799,6 @@ if not SIMULATOR:
     @cuda.jit(device=True, inline=True)
     def named_arrive(bar_id, nthreads):
         _named_arrive(bar_id, nthreads)
-
-    # ---- thread-block clusters (GPU only: the simulator runs blocks one after another, so two
-    # blocks of a cluster can never wait for each other there; kernels use these only when built
-    # for the GPU, see _make_kernel8_wgb(CL=True))
-    @intrinsic
-    def _cluster_rank(typingctx):
-        sig = types.int32()
-
-        def codegen(context, builder, s, args):
-            asm = ir.InlineAsm(ir.FunctionType(_i32, []), "mov.u32 $0, %cluster_ctarank;", "=r")
-            return builder.call(asm, [])
-
-        return sig, codegen
-
-    _cluster_sync = _asm_void("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;")
-    _mbar_arrive_remote = _asm_2i("{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $0, $1;\n\t"
-                                  "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n\t}")
-
-    @intrinsic
-    def _mbar_try_wait_cl(typingctx, addr, parity):
-        sig = types.int32(addr, parity)
-
-        def codegen(context, builder, s, args):
-            a = [context.cast(builder, v, t, types.int32) for v, t in zip(args, s.args)]
-            asm = ir.InlineAsm(ir.FunctionType(_i32, [_i32, _i32]),
-                               "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$1], $2; "
-                               "selp.u32 $0, 1, 0, p; }", "=r,r,r,~{memory}", side_effect=True)
-            return builder.call(asm, a)
-
-        return sig, codegen
-
-    @intrinsic
-    def _bulk_g2s_mc(typingctx, saddr, gm, gword, nbytes, mbar, mask):
-        sig = types.void(saddr, gm, gword, nbytes, mbar, mask)
-
-        def codegen(context, builder, s, args):
-            sa = context.cast(builder, args[0], s.args[0], types.int32)
-            gp = builder.ptrtoint(_ptr(context, builder, s.args[1], args[1], s.args[2], args[2]), _i64)
-            n = context.cast(builder, args[3], s.args[3], types.int32)
-            mb = context.cast(builder, args[4], s.args[4], types.int32)
-            mk = builder.trunc(context.cast(builder, args[5], s.args[5], types.int32), ir.IntType(16))
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i64, _i32, _i32, ir.IntType(16)]),
-                               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                               ".multicast::cluster [$0], [$1], $2, [$3], $4;", "r,l,r,r,h,~{memory}",
-                               side_effect=True)
-            builder.call(asm, [sa, gp, n, mb, mk])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @cuda.jit(device=True, inline=True)
-    def cluster_rank():
-        """This block's rank in its thread-block cluster (%cluster_ctarank)."""
-        return _cluster_rank()
-
-    @cuda.jit(device=True, inline=True)
-    def cluster_sync():
-        """barrier.cluster arrive (release) + wait (acquire): every thread of every block of the cluster."""
-        _cluster_sync()
-
-    @cuda.jit(device=True, inline=True)
-    def mbar_arrive_remote(mbs, addr, rank):
-        """Arrive (release, cluster scope) on the mbarrier at the same shared offset in block ``rank``."""
-        _mbar_arrive_remote(addr, rank)
-
-    @cuda.jit(device=True, inline=True)
-    def mbar_wait_cluster(mbs, addr, parity):
-        """mbar_wait with cluster-scope acquire (arrivals from other blocks of the cluster)."""
-        while _mbar_try_wait_cl(addr, parity) == 0:
-            pass
-
-    @cuda.jit(device=True, inline=True)
-    def bulk_g2s_mc(sm, saddr, gm, gword, nbytes, mbar, mask):
-        """bulk_g2s multicast: the bytes land at saddr in every block of ``mask`` (cluster ranks) and
-        complete_tx lands on the mbarrier at offset mbar in each of them."""
-        _bulk_g2s_mc(saddr, gm, gword, nbytes, mbar, mask)
 else:
     import threading as _threading
     import time as _time
@@ -937,8 +861,3 @@ else:
     @cuda.jit(device=True)
     def named_arrive(bar_id, nthreads):
         _named_hit(bar_id, nthreads, False)
-
-    def _no_clusters(*a):
-        raise NotImplementedError("thread-block clusters are GPU-only (the simulator runs blocks one at a time)")
-
-    cluster_rank = cluster_sync = mbar_arrive_remote = mbar_wait_cluster = bulk_g2s_mc = _no_clusters
