@@ -2939,39 +2939,25 @@ _scratch = {}
 
 
 def _scratch8(B, H, Lp, D, dev):
-    """int8 Q/K + scale buffers and their numba views, cached per shape and stream (launches on one
-    stream are ordered, so reuse is safe); never cached while a CUDA graph is being captured."""
-    capturing = (not _rt.SIMULATOR) and torch.cuda.is_current_stream_capturing()
-    key = (B, H, Lp, D, str(dev), 0 if _rt.SIMULATOR else torch.cuda.current_stream().cuda_stream)
-    ent = None if capturing else _scratch.get(key)
-    if ent is None:
+    """int8 Q/K + scale buffers and their numba views, cached per shape and stream
+    (runtime.stream_scratch)."""
+    def make():
         q8 = torch.empty((B, H, Lp, D), dtype=torch.int8, device=dev)
         k8 = torch.empty((B, H, Lp, D), dtype=torch.int8, device=dev)
         qs = torch.empty(B * H * Lp // 16, dtype=torch.float32, device=dev)
         ks = torch.empty(B * H * Lp // _BN, dtype=torch.float32, device=dev)
         v16 = lambda t: _c_arr(t.reshape(-1).view(torch.int16))  # noqa: E731
-        ent = (q8, k8, qs, ks, v16(q8), v16(k8), _arr(q8), _arr(k8), _c_arr(qs), _c_arr(ks))
-        if not capturing:
-            if len(_scratch) > 8:
-                _scratch.clear()
-            _scratch[key] = ent
-    return ent
+        return (q8, k8, qs, ks, v16(q8), v16(k8), _arr(q8), _arr(k8), _c_arr(qs), _c_arr(ks))
+    return _rt.stream_scratch(_scratch, (B, H, Lp, D, str(dev)), make)
 
 
 def _scratch8_tiled(B, H, Lp, Lt, D, dev):
     """The tiled K8 buffer (int8 [B, H, Lt, D], zero-filled once: the pre-pass never writes its
     rows past Lp, part of the key) and its 16-bit / word numba views, cached like _scratch8."""
-    capturing = (not _rt.SIMULATOR) and torch.cuda.is_current_stream_capturing()
-    key = ("tiled", B, H, Lp, Lt, D, str(dev), 0 if _rt.SIMULATOR else torch.cuda.current_stream().cuda_stream)
-    ent = None if capturing else _scratch.get(key)
-    if ent is None:
+    def make():
         k8t = torch.zeros((B, H, Lt, D), dtype=torch.int8, device=dev)
-        ent = (k8t, _c_arr(k8t.reshape(-1).view(torch.int16)), _arr(k8t))
-        if not capturing:
-            if len(_scratch) > 8:
-                _scratch.clear()
-            _scratch[key] = ent
-    return ent
+        return (k8t, _c_arr(k8t.reshape(-1).view(torch.int16)), _arr(k8t))
+    return _rt.stream_scratch(_scratch, ("tiled", B, H, Lp, Lt, D, str(dev)), make)
 
 
 def _prepass(q, k, qw=None, kw=None, tiled=0, konly=False):

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from . import intrinsics as ik
+from . import runtime as _rt
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key then only hashes the factory's int constants
 from .intrinsics import cuda, float32, int64, unpack_w, pack4, unpack_f32x2, group_sum, group_max, rsqrt, ld2, st2  # noqa: F401
@@ -684,20 +685,13 @@ def _q_launcher(name):
 
 def _q8_buffers(B, H, Lp, D, dev):
     """int8 q|k [2, B, H, Lp, D], scales [2, B, H, Lp], kmean [B, H, D] + a dict for the consumer's
-    cached views; per shape and stream, never cached while a CUDA graph is being captured."""
-    capturing = (not ik.SIMULATOR) and torch.cuda.is_current_stream_capturing()
-    key = (B, H, Lp, D, str(dev), 0 if ik.SIMULATOR else torch.cuda.current_stream().cuda_stream)
-    ent = None if capturing else _q8_scratch.get(key)
-    if ent is None:
+    cached views; per shape and stream (runtime.stream_scratch)."""
+    def make():
         q8 = torch.empty((2, B, H, Lp, D), dtype=torch.int8, device=dev)
         sc = torch.empty((2, B, H, Lp), dtype=torch.float32, device=dev)
         km = torch.empty((B, H, D), dtype=torch.float32, device=dev)
-        ent = (q8, q8.view(torch.int64), sc, km, {})
-        if not capturing:
-            if len(_q8_scratch) > 8:
-                _q8_scratch.clear()
-            _q8_scratch[key] = ent
-    return ent
+        return (q8, q8.view(torch.int64), sc, km, {})
+    return _rt.stream_scratch(_q8_scratch, (B, H, Lp, D, str(dev)), make)
 
 
 def _launch_quant(a0, a1, sc, pe_w, ow, q, k, B, H, D, L0, Ltot, has_pe, eps, nt, nz, dev):

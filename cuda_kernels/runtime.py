@@ -76,6 +76,23 @@ def tensor_version(t):
 _streams = {}
 
 
+def stream_scratch(cache: dict, key: tuple, make):
+    """``make()``'s scratch buffers, cached in ``cache`` per ``key`` and torch's current stream
+    (launches on one stream are ordered, so the next call's reuse is safe); never cached while a
+    CUDA graph is being captured (the graph keeps the buffers it was captured with); the cache is
+    emptied once it holds more than 8 entries."""
+    capturing = (not SIMULATOR) and torch.cuda.is_current_stream_capturing()
+    key = key + (0 if SIMULATOR else torch.cuda.current_stream().cuda_stream,)
+    ent = None if capturing else cache.get(key)
+    if ent is None:
+        ent = make()
+        if not capturing:
+            if len(cache) > 8:
+                cache.clear()
+            cache[key] = ent
+    return ent
+
+
 def stream():
     """numba stream object wrapping torch's current CUDA stream (None in the simulator)."""
     if SIMULATOR:

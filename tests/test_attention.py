@@ -245,6 +245,23 @@ def test_8bit_prepass_numba_matches_torch(B, H, L, D):
         assert torch.allclose(x, y, rtol=1e-5)
 
 
+def test_stream_scratch_cache():
+    # runtime.stream_scratch (the 8-bit scratch buffers, qk_norm_rope's int8 pack): one make()
+    # per key (and stream), reused after; emptied once it holds more than 8 entries
+    cache, made = {}, []
+
+    def mk():
+        made.append(object())
+        return made[-1]
+    a = runtime.stream_scratch(cache, (1, "x"), mk)
+    assert runtime.stream_scratch(cache, (1, "x"), mk) is a and len(made) == 1
+    assert runtime.stream_scratch(cache, (2, "x"), mk) is not a and len(made) == 2
+    for i in range(3, 20):
+        runtime.stream_scratch(cache, (i, "x"), mk)
+        assert len(cache) <= 9
+    assert len(made) == 19
+
+
 @pytest.mark.parametrize("B,H,L", [(1, 2, 100), (2, 1, 130)])
 def test_8bit_prepass_tiled_k8(B, H, L):
     # the pre-pass writing K8 straight in tile_kv's layout (the wgb kernels' bulk-copy image):
