@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The README's test command: set up (torch if none, requirements.txt line by line as
+# ComfyUI-Manager installs it, pytest) and run the tests.  Without a GPU the kernels run in
+# Numba's CUDA simulator; ComfyUI tests run per tree in COMFYUI_PATHS / COMFYUI_PATH (or
+# .carry/ComfyUI-*) and skip with the reason when none is found.  .ci/run runs this file.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" install.py --standalone --tests
+"$PY" - <<'PYEOF'
+import numpy, numba, torch
+print(f"numpy {numpy.__version__}, numba {numba.__version__}, torch {torch.__version__}")
+PYEOF
+exec "$PY" -m pytest -q tests "$@"
