@@ -1,10 +1,13 @@
 """FLUX blocks as functions over block modules, dispatched through the op registry.
 
 The same functions run on ComfyUI's own ``DoubleStreamBlock`` / ``SingleStreamBlock`` modules
-and on this pack's standalone modules (``flux_core.model``): both have the same attribute
-paths (``img_mod.lin``, ``img_attn.qkv``, ``img_attn.norm.query_norm.scale``, ``img_mlp[0]``...).
-Linear layers are *called as modules*, so ComfyUI's weight casting, LoRA patches and low-VRAM
-offloading stay in charge of the weights.
+and on this pack's standalone modules (``flux_core.model``): both use the FLUX.1 reference
+submodule names (``img_mod.lin``, ``img_attn.qkv``, ``img_attn.norm.query_norm``, ``img_mlp[0]``...).
+*How* a weight is obtained is not read off attributes here: Linear layers are called as modules
+(so the host's weight casting, LoRA patches and offloading stay in charge), and where a kernel
+needs a weight tensor itself (the q/k RMSNorm scales, the GEMM-epilogue up-projection) it asks
+``BlockContext.host`` -- ``Weights`` below for plain modules, ``nodes/host.py`` inside ComfyUI
+(casts through ComfyUI's ops, honouring DynamicVRAM staging, offload and weight patches).
 
 Two paths with one math:
   * ``stock``: ComfyUI's order of operations op by op (every op through the registry, so forcing
@@ -25,6 +28,38 @@ from ..cuda_kernels import registry
 from ..cuda_kernels import attention as _attention_op
 
 
+class Weights:
+    """How a block gets the weight tensors its kernels read, for modules whose parameters are plain
+    tensors (this pack's ``flux_core.model``); ComfyUI's host adapter subclasses it.
+
+    ``norm(m, like)`` -> an RMSNorm module's scale on ``like``'s device and dtype: the module's one
+    own parameter, whatever it is called (``.scale`` in FLUX's reference and ComfyUI v0.8.0,
+    ``.weight`` in ``torch.nn.RMSNorm`` / ComfyUI v0.33's ops).  ``norm_eps(m, like)`` -> its epsilon.
+    ``linear(lin, x)`` -> (weight, bias) usable directly on x, or None when the module must be
+    called.  ``release()`` ends the use of what was handed out (a host that stages weights per call
+    frees them there); whoever made the BlockContext calls it once the block's work is queued."""
+
+    FLUX_EPS = 1e-6  # FLUX.1's q/k RMSNorm epsilon where the module does not say
+
+    def norm(self, m, like):
+        ps = list(m.parameters(recurse=False))
+        if len(ps) != 1:
+            raise ValueError(f"{type(m).__name__} has {len(ps)} own parameters, expected one RMSNorm scale")
+        w = ps[0]
+        return w if (w.device == like.device and w.dtype == like.dtype) else w.to(device=like.device, dtype=like.dtype)
+
+    def norm_eps(self, m, like):
+        if hasattr(m, "eps"):  # torch.nn.RMSNorm semantics: None = the input dtype's machine epsilon
+            return float(m.eps) if m.eps is not None else float(torch.finfo(like.dtype).eps)
+        return self.FLUX_EPS
+
+    def linear(self, lin, x):
+        return plain_weights(lin, x)
+
+    def release(self):
+        pass
+
+
 @dataclass
 class BlockContext:
     """Per-forward settings shared by all blocks.
@@ -35,13 +70,15 @@ class BlockContext:
     attention: optional callable ``(q, k, v, mask, out) -> [B, L, H*D]`` replacing the
         registry's attention op (the ComfyUI patch passes ComfyUI's own optimized_attention
         when attention is not routed through the pack).
-    eps: norm epsilon (FLUX: 1e-6).
+    eps: LayerNorm epsilon (FLUX: 1e-6); the q/k RMSNorm epsilon comes from the norm modules.
+    host: a ``Weights`` (how kernels get weight tensors; ComfyUI's adapter inside ComfyUI).
     """
     fused: bool = True
     attention: Optional[Callable] = None
     eps: float = 1e-6
     gemm_epilogue: bool = False  # fold GELU into the up-projection GEMM (op linear_gelu) where weights allow
     silu_cache: dict = field(default_factory=dict)
+    host: Weights = field(default_factory=Weights)
 
     def wants_q8(self) -> bool:
         """True when this call's attention is the registry's op forced to numba-8bit: qk_norm_rope
@@ -49,11 +86,12 @@ class BlockContext:
         exact / bf16 paths never ask (no extra bytes, no extra launches)."""
         return self.attention is None and registry.requested("attention") == "numba-8bit"
 
-    def qk_norm_rope(self, parts, pe, H):
+    def qk_norm_rope(self, parts, pe, H, eps=None):
         """(q, k, v, pack): pack is qk_norm_rope's Quant8 when wants_q8() and its backend made one."""
+        eps = self.eps if eps is None else eps
         if self.wants_q8():
-            return registry.call("qk_norm_rope", parts, pe, H, self.eps, quant8=True)
-        q, k, v = registry.call("qk_norm_rope", parts, pe, H, self.eps)
+            return registry.call("qk_norm_rope", parts, pe, H, eps, quant8=True)
+        q, k, v = registry.call("qk_norm_rope", parts, pe, H, eps)
         return q, k, v, None
 
     def attn(self, q, k, v, mask, out=None, pack=None):
@@ -98,10 +136,18 @@ def modulation(mod, silu_vec):
     return mod.lin(silu_vec).chunk(mod.multiplier, dim=-1)
 
 
-def _norm_scales(m):
-    """q/k RMSNorm scales of an attention module (double block) or a single block: both have
-    ``.norm.query_norm`` / ``.norm.key_norm``."""
-    return m.norm.query_norm.scale, m.norm.key_norm.scale
+def _qk_parts(qkv_of, ctx):
+    """[(qkv, q_scale, k_scale)] for qk_norm_rope and the shared RMSNorm epsilon; ``qkv_of`` pairs
+    each qkv activation with the module holding ``.norm.query_norm`` / ``.norm.key_norm`` (an
+    attention module of a double block, or a single block)."""
+    parts, eps = [], set()
+    for qkv, m in qkv_of:
+        qn, kn = m.norm.query_norm, m.norm.key_norm
+        parts.append((qkv, ctx.host.norm(qn, qkv), ctx.host.norm(kn, qkv)))
+        eps.update((ctx.host.norm_eps(qn, qkv), ctx.host.norm_eps(kn, qkv)))
+    if len(eps) != 1:
+        raise ValueError(f"q/k RMSNorms with different epsilons {sorted(eps)}")
+    return parts, eps.pop()
 
 
 def _check_block_inputs(x, name):
@@ -123,9 +169,9 @@ def double_block(blk, img, txt, vec, pe, mask=None, ctx: Optional[BlockContext] 
 
     img_qkv = blk.img_attn.qkv(registry.call("ln_modulate", img, i_sh1, i_sc1, eps))
     txt_qkv = blk.txt_attn.qkv(registry.call("ln_modulate", txt, t_sh1, t_sc1, eps))
-    q, k, v, q8 = ctx.qk_norm_rope([(txt_qkv, *_norm_scales(blk.txt_attn)),
-                                    (img_qkv, *_norm_scales(blk.img_attn))], pe, H)
-    del img_qkv, txt_qkv
+    parts, qk_eps = _qk_parts([(txt_qkv, blk.txt_attn), (img_qkv, blk.img_attn)], ctx)
+    q, k, v, q8 = ctx.qk_norm_rope(parts, pe, H, qk_eps)
+    del img_qkv, txt_qkv, parts
     attn = ctx.attn(q, k, v, mask, pack=q8)
     del q, k, v, q8
     txt_attn, img_attn = attn[:, :Lt], attn[:, Lt:]
@@ -147,13 +193,13 @@ def double_block(blk, img, txt, vec, pe, mask=None, ctx: Optional[BlockContext] 
 
 def _mlp(mlp, x, ctx: Optional[BlockContext] = None):
     """Linear -> GELU(tanh) -> Linear, the GELU through the registry (or in the GEMM epilogue)."""
-    pw = plain_weights(mlp[0], x) if ctx is not None and ctx.gemm_epilogue else None
+    pw = ctx.host.linear(mlp[0], x) if ctx is not None and ctx.gemm_epilogue else None
     if pw is not None:
         return mlp[2](registry.call("linear_gelu", x, pw[0], pw[1]))
     return mlp[2](registry.call("gelu_tanh", mlp[0](x)))
 
 
-def _linear_rows(lin, x):
+def _linear_rows(lin, x, ctx):
     """``lin(x)`` for x [B, L, K] whose rows are strided (a column slice of a wider buffer).
     torch's linear runs a non-contiguous 3-D input as matmul + a separate bias-add kernel (1.5 ms
     of GPU time per FLUX step on the H200, session 2 run 7); addmm on the 2-D row view keeps the
@@ -162,7 +208,7 @@ def _linear_rows(lin, x):
     runs 9-10), so it is used only while a CUDA graph is being captured (host cost then vanishes)."""
     if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return lin(x)
-    pw = plain_weights(lin, x)
+    pw = ctx.host.linear(lin, x)
     if pw is None or pw[1] is None:
         return lin(x)
     B, L, K = x.shape
@@ -193,7 +239,9 @@ def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None)
     lin1 = blk.linear1(h)
     del h
     qkv, mlp = lin1[..., :3 * C], lin1[..., 3 * C:]
-    q, k, v, q8 = ctx.qk_norm_rope([(qkv, *_norm_scales(blk))], pe, H)
+    parts, qk_eps = _qk_parts([(qkv, blk)], ctx)
+    q, k, v, q8 = ctx.qk_norm_rope(parts, pe, H, qk_eps)
+    del parts
     if ctx.fused and not _views_of(lin1, q, k, v):
         # linear2's input [attn | gelu(mlp)] is built inside linear1's output: the attention
         # output over lin1's v columns (dead once qk_norm_rope has written v to its own buffer),
@@ -204,7 +252,7 @@ def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None)
         del q, k, v, q8
         registry.call("gelu_tanh", mlp, out=mlp)
         del qkv, mlp
-        out = _linear_rows(blk.linear2, buf)
+        out = _linear_rows(blk.linear2, buf, ctx)
         del buf, lin1
     elif ctx.fused:  # q/k/v still view linear1's output (torch qk_norm_rope): a separate buffer
         B, L, _ = x.shape

@@ -5,8 +5,8 @@ captured graph removes that host work and the launch gaps between kernels.  Ever
 goes to torch's current stream (``runtime.stream()``), so it is captured with the torch ops.
 
 Safe only when nothing in the forward changes address or needs the host between steps:
-``graph_blockers(module)`` lists the reasons not to capture (weights off the GPU, weights cast
-per call by ComfyUI's low-VRAM path, ...); callers fall back to eager execution and log why.
+``graph_blockers(module)`` lists the reasons not to capture (weights off the GPU, already
+capturing; ComfyUI's host adapter adds its own: weights cast per call, ...); callers fall back to eager execution and log why.
 Weights patched *in place* (ComfyUI applies LoRA that way) keep their addresses, so replays see
 them; a change of weight storage (``data_ptr``) invalidates the graph and it is re-captured.
 """
@@ -31,9 +31,6 @@ def graph_blockers(module: torch.nn.Module, device: torch.device) -> List[str]:
     off = [n for n, p in module.named_parameters() if p.device != device]
     if off:
         why.append(f"{len(off)} weights not on {device} (offloaded), e.g. {off[0]}")
-    cast = [n for n, m in module.named_modules() if getattr(m, "comfy_cast_weights", False)]
-    if cast:
-        why.append(f"{len(cast)} layers cast their weights per call (low-VRAM / manual cast), e.g. {cast[0]}")
     if torch.cuda.is_current_stream_capturing():
         why.append("already inside a capture")
     return why

@@ -2,7 +2,17 @@
 
 Captured per input signature (latent/context shapes, dtypes) after a warm-up; replayed every
 step.  Only when it is safe -- otherwise the step runs eagerly and the reason is logged once:
-  * every weight on the GPU and no per-call weight casting (ComfyUI low-VRAM / manual cast),
+  * PyTorch's native caching allocator.  Not under cudaMallocAsync (ComfyUI's default allocator
+    on NVIDIA): there a tensor allocated before the capture and freed during it (the previous
+    step's cached SiLU(vec), a wrapper's cached tensors) is a ``freeAsync`` of an uncaptured
+    allocation, and an error during the capture leaves the allocator to throw from a destructor
+    (``free_impl``), which terminates the process;
+  * this wrapper is the innermost diffusion-model wrapper: whatever a later wrapper does (EasyCache
+    reads tensors on the host with ``.item()`` and keeps tensors across steps) would be recorded
+    into the graph -- a host sync inside a capture invalidates it, and its per-step decisions
+    would be frozen.  Wrappers outside this one (added before the patch) run outside the graph;
+  * every weight on the GPU and no per-call weight casting (DynamicVRAM, low-VRAM offload,
+    weight functions), no other node's block replacements;
   * no ControlNet, no reference latents (Kontext), no other per-step model patches,
   * not already capturing.
 Weights patched in place (LoRA) keep their addresses, so replays see them; if weights move
@@ -46,7 +56,11 @@ class GraphWrapper:
         extra = {k for k, v in transformer_options.get("patches", {}).items() if v}
         if extra:
             return self._eager(f"other model patches present ({sorted(extra)})", executor, *args, **kwargs)
-        from ..flux_core.graphs import GraphedForward, graph_blockers
+        why = capture_problem(executor, transformer_options)
+        if why:
+            return self._eager(why, executor, *args, **kwargs)
+        from ..flux_core.graphs import GraphedForward
+        from .host import graph_blockers
         why = graph_blockers(dm, x.device)
         if why:
             return self._eager("; ".join(why), executor, *args, **kwargs)
@@ -68,6 +82,35 @@ class GraphWrapper:
             return self._eager(f"capture failed ({type(e).__name__}: {e})", executor, *args, **kwargs)
         self.last_mode = "graph"
         return out
+
+
+def allocator_backend() -> str:
+    try:
+        return torch.cuda.get_allocator_backend()
+    except Exception:
+        return "unknown"
+
+
+def capture_problem(executor, transformer_options):
+    """Why capturing the rest of this call is unsafe (see the module docstring), or None."""
+    backend = allocator_backend()
+    if backend != "native":
+        return (f"allocator backend {backend} (ComfyUI's default cudaMallocAsync): capture is not "
+                "attempted there; --disable-cuda-malloc enables it")
+    wrappers = getattr(executor, "wrappers", None)
+    idx = getattr(executor, "idx", None)
+    if wrappers is None or idx is None:
+        return "cannot see the diffusion-model wrapper chain"
+    inner = [w for w in wrappers[idx + 1:]]
+    if inner:
+        names = sorted({getattr(w, "__name__", type(w).__name__) for w in inner})
+        return f"other diffusion-model wrappers run inside this one ({names}): they would be captured"
+    replaced = transformer_options.get("patches_replace", {})
+    others = [k for group in replaced.values() for k, fn in group.items()
+              if not (getattr(fn, "_flux_numba", False) and getattr(fn, "_flux_numba_previous", None) is None)]
+    if others:
+        return f"other nodes' block replacements ({len(others)}, e.g. {others[0]})"
+    return None
 
 
 def install(model_patcher, wrapper: GraphWrapper = None):

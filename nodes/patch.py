@@ -6,18 +6,20 @@ entries in the clone's ``model_options``.  Nothing global is patched, so unpatch
 own business: the original ModelPatcher (and every clone made before this node) runs stock.
 
 Per block call ``fn(args, extra)``:
-  * the block module is the one ComfyUI is running right now: the ``block`` cell of
-    ``extra["original_block"]`` (``forward_orig``'s loop variable -- correct with clones, object
-    patches and torch.compile wrappers), else ``diffusion_model.{double,single}_blocks.{i}`` read
-    from the model at call time (never a stale module captured at patch time).  Low-VRAM offloading
-    keeps working because the block's Linear layers are called as modules (ComfyUI casts/moves
-    their weights per call) and norm scales are moved to the activations' device by the ops;
+  * the block module is the one ComfyUI is running right now (``host.resolve_block``); every fact
+    about ComfyUI's modules -- block types, how the q/k norm scales and the up-projection weights
+    are obtained (through ComfyUI's ops: DynamicVRAM staging, low-VRAM offload, fp8 storage, LoRA
+    weight functions), which host features the fused path cannot run -- comes from ``host.py``;
   * the op policy (backend / attention / route_norms) is applied with ``registry.force(...)`` only
     while this model's block runs, so two differently patched models in one graph don't interfere;
-  * bad input (a non-FLUX.1 block, unexpected shapes/dtypes, an exception inside our path) is
-    logged once with the reason and that call runs ComfyUI's original block.  The first call of
-    each input signature keeps a copy of img/txt so a failure after an in-place update is undone;
-    OOM is re-raised so ComfyUI's own OOM handling sees it.
+  * a block or call the fused path does not cover (a non-FLUX.1 block, unexpected shapes/dtypes,
+    ``attn1_patch`` / ``attn1_output_patch``, Kontext ``modulation_dims``) runs ComfyUI's original
+    block, logged once per reason;
+  * an exception inside our path: logged once, the block reruns stock, and the pack's path turns
+    itself off for this model at that forward signature (batch, tokens, dtype, device, mask):
+    later calls go straight to the original block (one dict lookup -- no checks, no copies, no
+    retries).  Only the first call of each block signature keeps a copy of img/txt, so a failure
+    after an in-place update is undone; OOM is re-raised so ComfyUI's own OOM handling sees it.
 
 Pass-through: with no usable CUDA GPU / numba the node logs why and returns the clone unpatched,
 unless backend is "torch" (the A/B baseline) or FLUX_NUMBA_SIMULATOR_OK=1 (CPU tests).
@@ -30,6 +32,10 @@ import logging
 import os
 import weakref
 from typing import Optional
+
+import torch
+
+from .host import ComfyWeights, call_problem, resolve_block
 
 log = logging.getLogger("flux_numba")
 
@@ -96,34 +102,10 @@ def unavailable_reason(model_patcher, backend: str) -> Optional[str]:
     return None
 
 
-def _gelu_tanh(m) -> bool:
-    import torch
-    return isinstance(m, torch.nn.GELU) and getattr(m, "approximate", "none") == "tanh"
-
-
 def block_problem(kind: str, blk) -> Optional[str]:
-    """None when ``blk`` is a stock FLUX.1 block that flux_core.blocks computes exactly."""
-    from comfy.ldm.flux import layers
-    if kind == "double":
-        if type(blk) is not layers.DoubleStreamBlock:
-            return f"double block is {type(blk).__name__}, not comfy.ldm.flux DoubleStreamBlock"
-        if not getattr(blk, "modulation", False):
-            return "double block without its own modulation (FLUX.2/Chroma style)"
-        if getattr(blk, "flipped_img_txt", False):
-            return "double block with flipped img/txt order"
-        for name in ("img_mlp", "txt_mlp"):
-            mlp = getattr(blk, name, None)
-            if not (hasattr(mlp, "__getitem__") and len(mlp) == 3 and _gelu_tanh(mlp[1])):
-                return f"double block {name} is not Linear-GELU(tanh)-Linear"
-        return None
-    if type(blk) is not layers.SingleStreamBlock:
-        return f"single block is {type(blk).__name__}, not comfy.ldm.flux SingleStreamBlock"
-    if getattr(blk, "modulation", None) is None:
-        return "single block without its own modulation (FLUX.2/Chroma style)"
-    if getattr(blk, "yak_mlp", False) or not _gelu_tanh(getattr(blk, "mlp_act", None)) \
-            or blk.mlp_hidden_dim_first != blk.mlp_hidden_dim:
-        return "single block MLP is not GELU(tanh)"
-    return None
+    """None when ``blk`` is a stock FLUX.1 block that flux_core.blocks computes exactly (host adapter)."""
+    from .host import block_problem as problem
+    return problem(kind, blk)
 
 
 def _input_problem(kind, blk, args) -> Optional[str]:
@@ -155,27 +137,6 @@ def _desc(t):
     return type(t).__name__
 
 
-def _resolve_block(kind, index, extra, model_ref):
-    """The block ComfyUI would run for this call (see the module docstring)."""
-    import torch
-    wrap = (extra or {}).get("original_block")
-    for cell in (getattr(wrap, "__closure__", None) or ()):
-        try:
-            c = cell.cell_contents
-        except ValueError:
-            continue
-        if isinstance(c, torch.nn.Module):
-            return c
-    base = model_ref() if model_ref is not None else None
-    if base is None:
-        return None
-    import comfy.utils
-    try:
-        return comfy.utils.get_attr(base, f"diffusion_model.{kind}_blocks.{index}")
-    except Exception:
-        return None
-
-
 # ----------------------------------------------------------------------------- runner
 class _Runner:
     """Shared by all block functions of one patch (and every later clone of the patched model)."""
@@ -192,6 +153,7 @@ class _Runner:
         self.proven = set()  # input signatures that ran through our path once
         self.attn_choice = {}  # attention "auto": input signature -> backend the registry chose
         self.logged = set()
+        self.off = {}  # forward signature -> why the fused path is off for it (turn_off)
         self.silu_cache = {}  # shared by every block call: SiLU(vec) once per step (BlockContext.silu)
         self.version = runtime.tensor_version
         while len(_STATS) >= 256:  # keep the counters of recent patches only
@@ -269,14 +231,36 @@ class _Runner:
                   "(logged once)", reason)
         return extra["original_block"](args)
 
+    @staticmethod
+    def forward_sig(kind, args):
+        """One forward's input signature, the same for its double and single blocks: (batch, tokens,
+        dtype, device, mask shape)."""
+        img, txt, mask = args.get("img"), args.get("txt"), args.get("attn_mask")
+        if not isinstance(img, torch.Tensor):
+            return ("?", type(img).__name__)
+        L = img.shape[1] + (txt.shape[1] if kind == "double" and isinstance(txt, torch.Tensor) else 0)
+        return (img.shape[0], L, img.dtype, img.device, None if mask is None else tuple(mask.shape))
+
+    def turn_off(self, fsig, kind, index, why):
+        """The fused path failed for this model and input signature: from now on every block of it
+        runs stock with no checks and no copies (one log line)."""
+        self.off[fsig] = f"{kind} block {index}: {why}"
+        self.stats["off"] = dict(self.off)
+        log.warning("[flux_numba] %s block %d %s; the pack's path is off for this model at input %s "
+                    "(it runs stock from here on)", kind, index, why, fsig)
+
     def __call__(self, kind, index, args, extra):
-        blk = _resolve_block(kind, index, extra, self.model_ref)
+        fsig = self.forward_sig(kind, args)
+        if fsig in self.off:  # failed before at this signature: stock at the cost of a dict lookup
+            self.stats["stock"] = self.stats.get("stock", 0) + 1
+            return extra["original_block"](args)
+        blk = resolve_block(kind, index, extra, self.model_ref)
         if blk is None:
             return self.fallback(kind, index, "block module not found", args, extra)
         hit = self.block_ok.get(id(blk))
         if hit is None or hit[0]() is not blk:
             hit = self.block_ok[id(blk)] = (weakref.ref(blk), block_problem(kind, blk))
-        bad = hit[1]
+        bad = hit[1] or call_problem(args, extra)
         if bad is None:
             bad = _input_problem(kind, blk, args)
         if bad is not None:
@@ -287,14 +271,16 @@ class _Runner:
         topts = args.get("transformer_options") or {}
         sig = (kind, tuple(img.shape), img.dtype, img.device, None if txt is None else tuple(txt.shape),
                None if mask is None else tuple(mask.shape))
+        weights = ComfyWeights()
         ctx = self.blocks.BlockContext(fused=self.fused, attention=self._attention(topts, sig), silu_cache=self.silu_cache,
-                           gemm_epilogue=self.fused and self.opts["backend"] == "auto" and self.opts["route_norms"])
+                                       gemm_epilogue=self.fused and self.opts["backend"] == "auto" and self.opts["route_norms"],
+                                       host=weights)
         policy = self.policy
         choice = self.attn_choice.get(sig)
         if self.attn_route == "auto" and choice not in (None, REFERENCE_NAME):
             policy = dict(policy, **{ATTENTION_OP: choice})  # the registry op writes straight into `out`
         backup = None
-        if sig not in self.proven:
+        if sig not in self.proven:  # the first call of a signature only: undo an in-place update on failure
             backup = (img.clone(), None if txt is None else txt.clone())
         versions = (self.version(img), None if txt is None else self.version(txt))
         self.stats["calls"] += 1
@@ -319,7 +305,10 @@ class _Runner:
                     log.error("[flux_numba] %s block %d %s after updating its input in place; cannot fall "
                               "back", kind, index, why)
                     raise
+            self.turn_off(fsig, kind, index, why)
             return self.fallback(kind, index, why, args, extra)
+        finally:
+            weights.release()
         self.proven.add(sig)
         return out
 

@@ -1,0 +1,230 @@
+"""The ComfyUI host adapter: everything the pack knows about ComfyUI's FLUX modules and ops.
+
+Supported hosts, tested on every change: ComfyUI v0.8.0 and v0.33.0.  What differs between them
+and is handled here (nowhere else in the pack):
+
+  * q/k norms: v0.8.0 builds them as ``comfy.ldm.flux.layers.RMSNorm`` (a ``.scale`` parameter,
+    eps 1e-6 in its forward); v0.33.0 as ``operations.RMSNorm`` (``torch.nn.RMSNorm``: ``.weight``,
+    ``eps=None`` = the input dtype's machine epsilon, 2^-7 for bf16) whose weight ComfyUI's ops
+    cast per call.  ``ComfyWeights.norm`` takes the module's one own parameter through
+    ``comfy.ops.cast_bias_weight`` when the module is one of ComfyUI's ops (DynamicVRAM staging,
+    low-VRAM offload, weight patches such as on-the-fly LoRA), else the way v0.8.0's forward does
+    (``comfy.model_management.cast_to``); ``norm_eps`` reads the module's own epsilon rule.
+  * DynamicVRAM (comfy-aimdo, v0.33's default on NVIDIA): weights live in a virtual buffer and
+    are staged by ``cast_bias_weight`` per call; ``release()`` hands them back
+    (``uncast_bias_weight``) once the block's kernels are queued.  Linear layers are always called
+    as modules except the MLP up-projection when the GEMM epilogue is on: ``ComfyWeights.linear``
+    hands out its weights only for ComfyUI's plain ``Linear`` op with unquantized storage (the same
+    ``F.linear`` the op would run), else None and the module is called.
+  * block call: v0.33 blocks apply ``transformer_options["patches"]["attn1_patch"]`` /
+    ``["attn1_output_patch"]`` and take ``modulation_dims`` (Kontext ``index_timestep_zero``)
+    through the original block's closure; ``call_problem`` names them so that call runs stock.
+
+Other versions: every block's type is checked (``block_problem``); anything not a FLUX.1 block
+runs stock with a log line naming the reason.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from ..flux_core.blocks import Weights
+
+SUPPORTED_VERSIONS = ("0.8.0", "0.33.0")
+
+
+@functools.lru_cache(maxsize=None)
+def comfy_version() -> str:
+    try:
+        import comfyui_version
+        return str(comfyui_version.__version__)
+    except Exception:
+        return "unknown"
+
+
+# ----------------------------------------------------------------------------- weights
+def _is_comfy_op(m) -> bool:
+    import comfy.ops
+    return isinstance(m, comfy.ops.CastWeightBiasOp)
+
+
+def _casts_per_call(m) -> bool:
+    return bool(getattr(m, "comfy_cast_weights", False) or getattr(m, "weight_function", None)
+                or getattr(m, "bias_function", None))
+
+
+def _plain_tensor(t) -> bool:
+    return t is None or type(t.data) is torch.Tensor
+
+
+class ComfyWeights(Weights):
+    """``flux_core.blocks.Weights`` for ComfyUI modules: weights obtained the way ComfyUI's ops do."""
+
+    def __init__(self):
+        self._staged = []  # (module, weight, bias, offload state) to hand back in release()
+
+    def _cast(self, m, like):
+        import comfy.ops
+        w, b, state = comfy.ops.cast_bias_weight(m, like, offloadable=True)
+        self._staged.append((m, w, b, state))
+        return w, b
+
+    def norm(self, m, like):
+        if _is_comfy_op(m):
+            if _casts_per_call(m):
+                w, _ = self._cast(m, like)
+            else:
+                w = m.weight
+            if w is None:
+                raise ValueError(f"{type(m).__name__} has no weight")
+            if w.device != like.device or w.dtype != like.dtype:
+                w = w.to(device=like.device, dtype=like.dtype)
+            return w
+        # not an op (v0.8.0's flux RMSNorm): its one parameter, moved/cast as its own forward does
+        ps = list(m.parameters(recurse=False))
+        if len(ps) != 1:
+            raise ValueError(f"{type(m).__name__} has {len(ps)} own parameters, expected one RMSNorm scale")
+        import comfy.model_management as mm
+        return mm.cast_to(ps[0], dtype=like.dtype, device=like.device)
+
+    def linear(self, lin, x):
+        import comfy.ops
+        if not _is_comfy_op(lin):
+            return super().linear(lin, x)
+        if type(lin).forward is not comfy.ops.disable_weight_init.Linear.forward:
+            return None  # fp8 / quantized / custom op: only its own forward knows the math
+        if getattr(lin, "weight", None) is not None and not (_plain_tensor(lin.weight) and _plain_tensor(lin.bias)):
+            return None  # QuantizedTensor storage (scaled fp8 ...): call the module
+        if getattr(lin, "scale_weight", None) is not None:
+            return None
+        if not _casts_per_call(lin):
+            return super().linear(lin, x)
+        w, b = self._cast(lin, x)
+        if not (type(w) is torch.Tensor or isinstance(w, torch.nn.Parameter)) or w.dtype != x.dtype \
+                or w.device != x.device or (b is not None and (b.dtype != x.dtype or b.device != x.device)):
+            return None  # unusual cast result: the module is called (the staged copy is released later)
+        return w, b
+
+    def release(self):
+        if not self._staged:
+            return
+        import comfy.ops
+        staged, self._staged = self._staged, []
+        for m, w, b, state in staged:
+            comfy.ops.uncast_bias_weight(m, w, b, state)
+
+
+# ----------------------------------------------------------------------------- blocks
+def flux_types():
+    """(Flux, DoubleStreamBlock, SingleStreamBlock) of the running ComfyUI."""
+    from comfy.ldm.flux import layers, model
+    return model.Flux, layers.DoubleStreamBlock, layers.SingleStreamBlock
+
+
+def _gelu_tanh(m) -> bool:
+    return isinstance(m, torch.nn.GELU) and getattr(m, "approximate", "none") == "tanh"
+
+
+def _norm_problem(owner, where) -> Optional[str]:
+    norm = getattr(owner, "norm", None)
+    for name in ("query_norm", "key_norm"):
+        m = getattr(norm, name, None)
+        if not isinstance(m, torch.nn.Module):
+            return f"{where} has no norm.{name}"
+        own = list(m.parameters(recurse=False))
+        if len(own) != 1 and not (_is_comfy_op(m) and hasattr(m, "weight")):
+            return f"{where} norm.{name} ({type(m).__name__}) is not an RMSNorm with one scale"
+    return None
+
+
+def block_problem(kind: str, blk) -> Optional[str]:
+    """None when ``blk`` is a stock FLUX.1 block that flux_core.blocks computes exactly."""
+    _, Double, Single = flux_types()
+    if kind == "double":
+        if type(blk) is not Double:
+            return f"double block is {type(blk).__name__}, not comfy.ldm.flux DoubleStreamBlock"
+        if not getattr(blk, "modulation", False):
+            return "double block without its own modulation (FLUX.2/Chroma style)"
+        if getattr(blk, "flipped_img_txt", False):
+            return "double block with flipped img/txt order"
+        for name in ("img_mlp", "txt_mlp"):
+            mlp = getattr(blk, name, None)
+            if not (hasattr(mlp, "__getitem__") and len(mlp) == 3 and _gelu_tanh(mlp[1])):
+                return f"double block {name} is not Linear-GELU(tanh)-Linear"
+        return _norm_problem(blk.img_attn, "double block img_attn") or _norm_problem(blk.txt_attn, "double block txt_attn")
+    if type(blk) is not Single:
+        return f"single block is {type(blk).__name__}, not comfy.ldm.flux SingleStreamBlock"
+    if getattr(blk, "modulation", None) is None:
+        return "single block without its own modulation (FLUX.2/Chroma style)"
+    if getattr(blk, "yak_mlp", False) or not _gelu_tanh(getattr(blk, "mlp_act", None)) \
+            or blk.mlp_hidden_dim_first != blk.mlp_hidden_dim:
+        return "single block MLP is not GELU(tanh)"
+    return _norm_problem(blk, "single block")
+
+
+def _closure(fn):
+    out = []
+    for cell in (getattr(fn, "__closure__", None) or ()):
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:
+            continue
+    return out
+
+
+def resolve_block(kind, index, extra, model_ref):
+    """The block ComfyUI would run for this call: the ``block`` cell of ``extra["original_block"]``
+    (forward_orig's loop variable -- right with clones, object patches and torch.compile wrappers),
+    else ``diffusion_model.{kind}_blocks.{index}`` read from the model now."""
+    for c in _closure((extra or {}).get("original_block")):
+        if isinstance(c, torch.nn.Module):
+            return c
+    base = model_ref() if model_ref is not None else None
+    if base is None:
+        return None
+    import comfy.utils
+    try:
+        return comfy.utils.get_attr(base, f"diffusion_model.{kind}_blocks.{index}")
+    except Exception:
+        return None
+
+
+PATCHES_IN_BLOCKS = ("attn1_patch", "attn1_output_patch")  # applied inside v0.33's FLUX blocks
+
+
+def call_problem(args, extra) -> Optional[str]:
+    """Why this block call must run stock although the block is supported (None: it need not):
+    host features applied inside the block that the fused path does not implement."""
+    topts = args.get("transformer_options") or {}
+    patches = topts.get("patches") or {}
+    used = [k for k in PATCHES_IN_BLOCKS if patches.get(k)]
+    if used:
+        return f"transformer_options patches {used} (applied inside the block; the fused path does not run them)"
+    for c in _closure((extra or {}).get("original_block")):
+        if isinstance(c, dict) and any(k.startswith("modulation_dims") and v is not None for k, v in c.items()):
+            return "modulation_dims (Kontext index_timestep_zero: per-token modulation rows)"
+    return None
+
+
+# ----------------------------------------------------------------------------- model-level facts
+def dynamic_vram(model_patcher) -> bool:
+    """True when the model is managed by ComfyUI's DynamicVRAM (comfy-aimdo) patcher."""
+    try:
+        import comfy.model_patcher as mp
+        cls = getattr(mp, "ModelPatcherDynamic", None)
+        return cls is not None and isinstance(model_patcher, cls)
+    except Exception:
+        return False
+
+
+def graph_blockers(module: torch.nn.Module, device: torch.device):
+    """Reasons a whole-forward CUDA graph cannot be captured for this diffusion model now."""
+    from ..flux_core.graphs import graph_blockers as generic
+    why = generic(module, device)
+    cast = [n for n, m in module.named_modules() if _casts_per_call(m)]
+    if cast:
+        why.append(f"{len(cast)} layers cast their weights per call (DynamicVRAM / low-VRAM / weight "
+                   f"functions), e.g. {cast[0]}")
+    return why

@@ -1,0 +1,279 @@
+"""The ComfyUI host adapter (nodes/host.py) and the patched model in ComfyUI's own sampler, per
+supported ComfyUI version (the tree at $COMFYUI_PATH; test_comfyui_matrix runs this per tree).
+
+* the adapter resolves every weight a fused block needs, the way ComfyUI's ops do (q/k norm
+  scales and their epsilon, the up-projection weights), for plain, per-call cast (low-VRAM /
+  DynamicVRAM style) and weight-function (on-the-fly LoRA) modules;
+* sampling through ``nodes.common_ksampler`` with the pack's torch path equals stock and the pack's
+  block code ran for every block (no fallback): plain, LoRA before / after the patch, CFG > 1 with
+  a negative, img2img, latent noise mask, fp8 weight storage, batch 2, non-square and
+  non-multiple-of-64 sizes, EasyCache / LazyCache after the patch;
+* host features the fused path does not run (attn1_patch / attn1_output_patch, Kontext
+  modulation_dims) make that call run stock with one logged reason.
+"""
+import logging
+
+import pytest
+import torch
+
+from test_comfyui import (N_BLOCKS, Patch, _inputs, comfy, forward, patch_stats, rel_err,  # noqa: F401
+                          tiny_patcher, pytestmark)
+
+TINY_LATENT = (16, 8, 8)
+
+
+def version():
+    from flux_numba_pack.nodes.host import comfy_version
+    return comfy_version()
+
+
+# ----------------------------------------------------------------------------- the adapter
+def _norms(dm):
+    for blk in dm.double_blocks:
+        for attn in (blk.img_attn, blk.txt_attn):
+            yield attn.norm.query_norm
+            yield attn.norm.key_norm
+    for blk in dm.single_blocks:
+        yield blk.norm.query_norm
+        yield blk.norm.key_norm
+
+
+def test_adapter_resolves_every_fused_block_weight(comfy):
+    from flux_numba_pack.nodes.host import ComfyWeights, block_problem
+    mp = tiny_patcher(comfy)
+    dm = mp.model.diffusion_model
+    for kind in ("double", "single"):
+        for blk in getattr(dm, f"{kind}_blocks"):
+            assert block_problem(kind, blk) is None
+    like = torch.zeros(1, 2, 3 * 128, dtype=torch.bfloat16)
+    w = ComfyWeights()
+    for m in _norms(dm):
+        (p,) = list(m.parameters(recurse=False))
+        got = w.norm(m, like)
+        assert got.dtype == torch.bfloat16 and got.shape == p.shape
+        assert torch.equal(got, p.to(torch.bfloat16))
+        eps = w.norm_eps(m, like)
+        if isinstance(m, torch.nn.RMSNorm):  # v0.33: operations.RMSNorm, eps None -> dtype epsilon
+            assert eps == (m.eps if m.eps is not None else torch.finfo(torch.bfloat16).eps)
+        else:  # v0.8.0: flux layers.RMSNorm, 1e-6 in its forward
+            assert eps == 1e-6
+    x = torch.zeros(1, 2, 128)
+    for blk in dm.double_blocks:
+        for mlp in (blk.img_mlp, blk.txt_mlp):
+            wb = w.linear(mlp[0], x)
+            assert wb is not None and wb[0] is mlp[0].weight and wb[1] is mlp[0].bias
+    w.release()
+
+
+def test_adapter_casts_through_comfy_ops(comfy, monkeypatch):
+    """Modules that cast per call (low-VRAM / DynamicVRAM) or carry weight functions (on-the-fly
+    LoRA) get their weights from comfy.ops.cast_bias_weight, handed back by release()."""
+    import comfy.ops
+    from flux_numba_pack.nodes.host import ComfyWeights
+    mp = tiny_patcher(comfy)
+    dm = mp.model.diffusion_model
+    casts, uncasts = [], []
+    real_cast, real_uncast = comfy.ops.cast_bias_weight, comfy.ops.uncast_bias_weight
+
+    def cast(s, *a, **k):
+        casts.append(s)
+        return real_cast(s, *a, **k)
+
+    def uncast(s, *a, **k):
+        uncasts.append(s)
+        return real_uncast(s, *a, **k)
+    monkeypatch.setattr(comfy.ops, "cast_bias_weight", cast)
+    monkeypatch.setattr(comfy.ops, "uncast_bias_weight", uncast)
+    lin = dm.double_blocks[0].img_mlp[0]
+    monkeypatch.setattr(lin, "comfy_cast_weights", True, raising=False)
+    w = ComfyWeights()
+    x = torch.zeros(1, 2, lin.in_features)
+    wb = w.linear(lin, x)
+    assert casts == [lin] and wb is not None and torch.equal(wb[0], lin.weight)
+    qn = dm.double_blocks[0].img_attn.norm.query_norm
+    like = torch.zeros(1, 2, 3 * 128)
+    if isinstance(qn, comfy.ops.CastWeightBiasOp):  # v0.33: the norm is one of ComfyUI's ops
+        monkeypatch.setattr(qn, "weight_function", [lambda t: t * 2.0], raising=False)
+        got = w.norm(qn, like)
+        assert casts[-1] is qn and torch.equal(got, qn.weight * 2.0)
+    w.release()
+    assert uncasts == casts
+
+
+def test_call_problem_names_what_the_fused_path_does_not_run(comfy, caplog):
+    from flux_numba_pack.nodes.host import call_problem
+    assert call_problem({"transformer_options": {}}, {"original_block": lambda a: a}) is None
+    why = call_problem({"transformer_options": {"patches": {"attn1_patch": [lambda *a, **k: {}]}}}, {})
+    assert "attn1_patch" in why
+    why = call_problem({"transformer_options": {"patches": {"attn1_output_patch": [lambda a, e: a]}}}, {})
+    assert "attn1_output_patch" in why
+    extra_kwargs = {"modulation_dims_img": [(0, 4, 0)]}
+
+    def block_wrap(args):  # like forward_orig's: the block and its extra kwargs are closure cells
+        return extra_kwargs
+    assert "modulation_dims" in call_problem({}, {"original_block": block_wrap})
+    extra_kwargs = {}
+    assert call_problem({}, {"original_block": block_wrap}) is None
+
+
+def test_attn1_patches_run_stock_with_a_reason(comfy, caplog):
+    """A model with an attn1_output_patch (what NAG / FluxKVCache-style nodes add): the patched
+    model gives stock's result, every block ran ComfyUI's original, one log line says why."""
+    mp = tiny_patcher(comfy)
+    inp = _inputs(torch.float32)
+    seen = []
+
+    def out_patch(attn, extra_options):
+        seen.append(1)
+        return attn * 0.5
+    m2 = mp.clone()
+    m2.set_model_patch(out_patch, "attn1_output_patch")
+    ref = forward(m2, inp)
+    applied = len(seen)
+    pm, = Patch().patch(m2, backend="torch")
+    with caplog.at_level(logging.WARNING, logger="flux_numba"):
+        out = forward(pm, inp)
+    st = patch_stats(pm)
+    if applied == 0:
+        pytest.skip(f"ComfyUI {version()}'s FLUX blocks do not apply attn1_output_patch")
+    assert torch.equal(out, ref) and len(seen) == 2 * applied
+    assert st["fallbacks"] == N_BLOCKS and st["calls"] == 0, st
+    assert caplog.text.count("attn1_output_patch") == 2  # once per block kind
+
+
+# ----------------------------------------------------------------------------- sampling matrix
+def _cond(B=1, txt=5, seed=3, neg=False):
+    from flux_numba_pack.flux_core import TINY
+    g = torch.Generator().manual_seed(seed + (100 if neg else 0))
+    ctx = torch.randn(B, txt, TINY.context_in_dim, generator=g)
+    pooled = torch.randn(B, TINY.vec_in_dim, generator=g)
+    extra = {"pooled_output": pooled}
+    if not neg:
+        extra["guidance"] = 3.5
+    return [[ctx, extra]]
+
+
+def _sample(mp, latent, steps=2, cfg=1.0, denoise=1.0, noise_mask=None, neg=None, seed=7):
+    import nodes
+    pos = _cond()
+    if neg is None:
+        neg = [[torch.zeros_like(pos[0][0]), {"pooled_output": torch.zeros_like(pos[0][1]["pooled_output"])}]]
+    lat = {"samples": latent}
+    if noise_mask is not None:
+        lat["noise_mask"] = noise_mask
+    with torch.inference_mode():
+        out, = nodes.common_ksampler(mp, seed, steps, cfg, "euler", "simple", pos, neg, lat, denoise=denoise)
+    return out["samples"]
+
+
+def _lora_patches(mp, scale=0.5, seed=5):
+    import comfy.utils as cu
+    g = torch.Generator().manual_seed(seed)
+    names = [n for n, _ in mp.model.named_parameters()
+             if n.startswith("diffusion_model.double_blocks.0.img_mlp.0.weight")
+             or n.startswith("diffusion_model.single_blocks.1.linear1.weight")
+             or n.startswith("diffusion_model.double_blocks.1.txt_attn.norm.key_norm.")]
+    assert len(names) == 3, names
+    return {k: (scale * torch.randn(cu.get_attr(mp.model, k).shape, generator=g),) for k in names}
+
+
+def _easycache(mp, kind):
+    import asyncio
+    from comfy_extras import nodes_easycache as ec
+    node = {"EasyCache": ec.EasyCacheNode, "LazyCache": ec.LazyCacheNode}[kind]
+    res = node.execute(mp, 0.2, 0.15, 0.95, False)
+    if asyncio.iscoroutine(res):
+        res = asyncio.run(res)
+    out = getattr(res, "result", res)
+    return out[0]
+
+
+CASES = {
+    "plain": dict(),
+    "lora_before_patch": dict(lora="before"),
+    "lora_after_patch": dict(lora="after"),
+    "cfg_negative": dict(cfg=3.0, neg=True),
+    "img2img": dict(denoise=0.6, init=True),
+    "noise_mask": dict(mask=True, init=True),
+    "fp8_weights": dict(fp8=True),
+    "batch2": dict(batch=2),
+    "non_square": dict(hw=(8, 12)),
+    "non_multiple_of_64": dict(hw=(6, 10)),  # 48x80 px: neither side a multiple of 64 (nor of 16 latents)
+    "easycache_after_patch": dict(cache="EasyCache"),
+    "lazycache_after_patch": dict(cache="LazyCache"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampling_runs_the_pack_and_equals_stock(comfy, case):
+    c = CASES[case]
+    dtype = torch.float32
+    if c.get("fp8"):
+        import comfy.model_patcher
+        import comfy.supported_models
+        from flux_numba_pack.flux_core import TINY, tiny_state_dict
+        cfg = dict(TINY.comfy_kwargs(), image_model="flux")
+        mc = comfy.supported_models.Flux(cfg)
+        mc.set_inference_dtype(torch.float8_e4m3fn, torch.float32)  # fp8 storage, fp32 compute (manual cast)
+        bm = mc.get_model({}, device=torch.device("cpu"))
+        bm.diffusion_model.load_state_dict(mc.process_unet_state_dict(
+            {k: v.to(torch.float8_e4m3fn) for k, v in tiny_state_dict(0).items()}), strict=True)
+        mp = comfy.model_patcher.ModelPatcher(bm, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+        assert any(p.dtype == torch.float8_e4m3fn for p in bm.diffusion_model.parameters())
+    else:
+        mp = tiny_patcher(comfy, dtype)
+    h, w = c.get("hw", TINY_LATENT[1:])
+    B = c.get("batch", 1)
+    g = torch.Generator().manual_seed(11)
+    latent = torch.randn(B, 16, h, w, generator=g) if c.get("init") else torch.zeros(B, 16, h, w)
+    kw = dict(steps=2, cfg=c.get("cfg", 1.0), denoise=c.get("denoise", 1.0))
+    if c.get("mask"):
+        m = torch.zeros(B, 1, h * 8, w * 8)
+        m[..., : h * 4, :] = 1.0
+        kw["noise_mask"] = m
+    if c.get("neg"):
+        kw["neg"] = _cond(neg=True)
+    if c.get("lora") == "before":
+        mp = mp.clone()
+        mp.add_patches(_lora_patches(mp), 1.0)
+    stock_model = mp
+    pm, = Patch().patch(mp, backend="torch", profile="exact")
+    if c.get("lora") == "after":
+        patches = _lora_patches(mp)
+        stock_model = mp.clone()
+        stock_model.add_patches(patches, 1.0)
+        pm = pm.clone()
+        pm.add_patches(patches, 1.0)
+    if c.get("cache"):
+        stock_model = _easycache(stock_model, c["cache"])
+        pm = _easycache(pm, c["cache"])
+    stock = _sample(stock_model, latent, **kw)
+    got = _sample(pm, latent, **kw)
+    st = patch_stats(pm)
+    assert st["fallbacks"] == 0 and not st.get("off") and st["calls"] >= 2 * N_BLOCKS, st
+    tol = 5e-4 if c.get("fp8") else 1e-5
+    assert torch.allclose(got, stock, rtol=tol, atol=tol), rel_err(got, stock)
+    if c.get("lora"):
+        assert rel_err(stock, _sample(tiny_patcher(comfy, dtype) if not c.get("fp8") else mp, latent, **kw)) > 1e-4, \
+            "the LoRA patch must change the result"
+
+
+def test_failure_turns_the_path_off_at_no_cost(comfy, monkeypatch):
+    """After one failure the model runs stock at that signature: the pack's code is not entered again."""
+    from flux_numba_pack.flux_core import blocks
+    mp = tiny_patcher(comfy)
+    inp = _inputs(torch.float32)
+    ref = forward(mp, inp)
+    pm, = Patch().patch(mp, backend="torch")
+    entered = []
+
+    def broken(*a, **k):
+        entered.append(1)
+        raise RuntimeError("synthetic failure")
+    monkeypatch.setattr(blocks, "single_block", broken)
+    monkeypatch.setattr(blocks, "double_block", broken)
+    for _ in range(3):
+        assert torch.equal(forward(pm, inp), ref)
+    assert len(entered) == 1
+    st = patch_stats(pm)
+    assert st["stock"] == 3 * N_BLOCKS - 1 and st["fallbacks"] == 1
