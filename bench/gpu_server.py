@@ -1,0 +1,406 @@
+#!/usr/bin/env python3
+"""Real ComfyUI servers on a GPU: stock vs FluxNumbaPatch, as a user runs them.
+
+For each ComfyUI tree and flag set: start ``main.py`` with ComfyUI's default flags plus that set,
+queue API prompts built like a user's graph -- UNETLoader (random full-size FLUX.1-dev) ->
+[FluxNumbaPatch] -> [EasyCache | LazyCache] -> KSampler (euler, simple, cfg 1) -> VAEDecode
+([FluxNumbaVAEPatch]) -> SaveImage -- and record per prompt kind: seconds per image (the server's
+own execution_start -> execution_success timestamps), peak GPU memory (nvidia-smi, sampled),
+the log's fallback / CUDA-graph / turn-off lines, and whether the server survived.  Each kind
+runs ``--repeat`` times; the last run is the one reported (the first patched one includes JIT).
+
+No real weights are needed: a random FLUX.1-dev checkpoint (ComfyUI layout, bf16, std 0.02) is
+written once to ``--weights`` (default /dev/shm), a random FLUX VAE next to it, and a small custom
+node stands in for the text encoders (T5-XXL is 4.7 B parameters).
+
+    python bench/gpu_server.py --comfy .carry/ComfyUI-0.8.0 --flags= --flags="--reserve-vram 118" \
+        --cases stock,patched,easycache,lazycache --steps 28 --res 1024 --json $OUT/server.json
+
+Prints one table row per (tree, flags, case) at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+COND_NODE = '''
+import torch
+
+class FluxNumbaBenchConditioning:
+    """BENCH ONLY: seeded random FLUX.1 conditioning (T5 context [1, 256, 4096], CLIP pooled
+    [1, 768], guidance 3.5), standing in for the text encoders."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0}), "tokens": ("INT", {"default": 256}),
+                             "context_dim": ("INT", {"default": 4096}), "pooled_dim": ("INT", {"default": 768})}}
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "make"
+    CATEGORY = "FluxNumba/bench"
+    def make(self, seed, tokens, context_dim, pooled_dim):
+        g = torch.Generator().manual_seed(seed)
+        return ([[torch.randn(1, tokens, context_dim, generator=g) * 0.5,
+                  {"pooled_output": torch.randn(1, pooled_dim, generator=g), "guidance": 3.5}]],)
+
+NODE_CLASS_MAPPINGS = {"FluxNumbaBenchConditioning": FluxNumbaBenchConditioning}
+'''
+
+AV_STUB = '''"""Stand-in for PyAV (absent on the GPU image): ComfyUI imports it (and av.* submodules)
+for its video types only; any attribute is a placeholder class that refuses to be used."""
+import importlib.machinery
+import sys
+import types
+
+
+class _Meta(type):
+    def __getattr__(cls, name):  # ColorTrc.ARIB_STD_B67 and the like: more placeholders
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder
+
+
+class _Placeholder(metaclass=_Meta):
+    def __init__(self, *a, **k):
+        raise RuntimeError("PyAV is not installed (bench stand-in)")
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Placeholder
+
+
+class _Loader:
+    def create_module(self, spec):
+        m = types.ModuleType(spec.name)
+        m.__getattr__ = __getattr__
+        m.__path__ = []
+        return m
+
+    def exec_module(self, m):
+        pass
+
+
+class _Finder:
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.startswith("av."):
+            return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
+        return None
+
+
+sys.meta_path.insert(0, _Finder())
+'''
+
+KEYS = ("fallback", "running ComfyUI's original block", "CUDA graph", "captured a CUDA graph", "is off for this model",
+        "FluxNumbaPatch", "Traceback", "Error", "error", "terminate called", "freeAsync")
+
+
+def write_weights(path, seed=0):
+    """Random full-size FLUX.1-dev in ComfyUI's layout (bf16), generated on the GPU."""
+    if os.path.exists(path):
+        return
+    import torch
+    from safetensors.torch import save_file
+    sys.path.insert(0, ROOT)
+    import _pack
+    _pack.load()
+    from flux_numba_pack.flux_core.checkpoint import FLUX1_DEV, expected_shapes
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    sd = {}
+    for k, shape in expected_shapes(FLUX1_DEV).items():
+        if "norm" in k and (k.endswith(".scale") or k.endswith(".weight")) and len(shape) == 1:
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+        sd[k] = t
+    save_file(sd, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+MAKE_VAE = r'''
+import sys
+ROOT, OUT = sys.argv[1], sys.argv[2]
+sys.argv = [sys.argv[0], "--cpu"]
+import comfy.options; comfy.options.enable_args_parsing()
+import safetensors.torch
+sys.path.insert(0, ROOT)
+import _pack; _pack.load()
+from flux_numba_pack.flux_core.tiny import random_vae_state_dict
+safetensors.torch.save_file(random_vae_state_dict(1), OUT)
+'''
+
+
+def write_vae(path, py, comfy, env):
+    """A random FLUX VAE (built from ComfyUI's own decoder definition, so run inside a tree)."""
+    if os.path.exists(path):
+        return
+    r = subprocess.run([py, "-c", MAKE_VAE, ROOT, path], cwd=comfy, capture_output=True, text=True, env=env)
+    if r.returncode:
+        raise RuntimeError("writing the random VAE failed:\n" + r.stderr[-3000:])
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url, timeout=30):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+def _post(url, data):
+    req = urllib.request.Request(url, data=json.dumps(data).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read().decode())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"HTTP {e.code}: {e.read().decode(errors='replace')[:800]}") from None
+
+
+class GpuMem:
+    """Peak of nvidia-smi's memory.used while running (MiB)."""
+
+    def __init__(self, period=0.1):
+        self.period, self.peak, self._stop = period, 0, threading.Event()
+        self.t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=5).stdout
+                self.peak = max(self.peak, int(out.split()[0]))
+            except Exception:
+                pass
+            self._stop.wait(self.period)
+
+    def __enter__(self):
+        self.t.start()
+        return self
+
+    def __exit__(self, *a):
+        self._stop.set()
+        self.t.join()
+
+
+def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
+    """API prompt for one case: stock | patched | easycache | lazycache | stock_easycache | stock_lazycache."""
+    patched = case in ("patched", "easycache", "lazycache")
+    g = {
+        "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
+        "cond": {"class_type": "FluxNumbaBenchConditioning", "inputs": {"seed": 3, "tokens": 256,
+                                                                        "context_dim": cond_dims[0], "pooled_dim": cond_dims[1]}},
+        "lat": {"class_type": "EmptySD3LatentImage", "inputs": {"width": res, "height": res, "batch_size": 1}},
+        "vae": {"class_type": "VAELoader", "inputs": {"vae_name": vae}},
+    }
+    model = ["unet", 0]
+    vae_ref = ["vae", 0]
+    if patched:
+        g["patch"] = {"class_type": "FluxNumbaPatch", "inputs": {
+            "model": model, "profile": "exact", "route_norms": True, "attention": "auto", "backend": "auto",
+            "cuda_graph": "auto"}}
+        model = ["patch", 0]
+        g["vpatch"] = {"class_type": "FluxNumbaVAEPatch", "inputs": {"vae": vae_ref, "enabled": True, "backend": "auto"}}
+        vae_ref = ["vpatch", 0]
+    cache = {"easycache": "EasyCache", "stock_easycache": "EasyCache",
+             "lazycache": "LazyCache", "stock_lazycache": "LazyCache"}.get(case)
+    if cache:
+        g["cache"] = {"class_type": cache, "inputs": {"model": model, "reuse_threshold": 0.2, "start_percent": 0.15,
+                                                      "end_percent": 0.95, "verbose": False}}
+        model = ["cache", 0]
+    g["ks"] = {"class_type": "KSampler", "inputs": {
+        "model": model, "seed": seed, "steps": steps, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
+        "positive": ["cond", 0], "negative": ["cond", 0], "latent_image": ["lat", 0], "denoise": 1.0}}
+    g["dec"] = {"class_type": "VAEDecode", "inputs": {"samples": ["ks", 0], "vae": vae_ref}}
+    g["save"] = {"class_type": "SaveImage", "inputs": {"images": ["dec", 0], "filename_prefix": case}}
+    return g
+
+
+def run_prompt(url, prompt, timeout):
+    cid = uuid.uuid4().hex
+    pid = _post(url + "/prompt", {"prompt": prompt, "client_id": cid})["prompt_id"]
+    t0 = time.time()
+    while True:
+        h = _get(f"{url}/history/{pid}")
+        if pid in h and h[pid].get("status", {}).get("completed") is not None:
+            st = h[pid]["status"]
+            if st.get("status_str") in ("success", "error") or st.get("completed"):
+                break
+        if time.time() - t0 > timeout:
+            return {"ok": False, "error": "timeout"}
+        time.sleep(0.2)
+    msgs = {m[0]: m[1] for m in st.get("messages", [])}
+    ok = st.get("status_str") == "success"
+    out = {"ok": ok}
+    if "execution_start" in msgs and ("execution_success" in msgs or "execution_error" in msgs):
+        end = msgs.get("execution_success") or msgs.get("execution_error")
+        out["s"] = round((end["timestamp"] - msgs["execution_start"]["timestamp"]) / 1000.0, 3)
+    if not ok:
+        err = msgs.get("execution_error", {})
+        out["error"] = f"{err.get('exception_type')}: {err.get('exception_message')}"[:500]
+    return out
+
+
+def serve(py, comfy, base, flags, env, start_timeout=600):
+    port = _free_port()
+    logp = os.path.join(base, f"comfyui_{port}.log")
+    logf = open(logp, "w")
+    fe = os.path.join(base, "frontend")
+    os.makedirs(fe, exist_ok=True)
+    with open(os.path.join(fe, "index.html"), "w") as f:
+        f.write("<html><body>bench</body></html>")
+    cmd = [py, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", base,
+           "--database-url", "sqlite:///:memory:", "--disable-auto-launch", "--front-end-root", fe,
+           *shlex.split(flags)]
+    proc = subprocess.Popen(cmd, cwd=comfy, stdout=logf, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError("ComfyUI exited at start:\n" + open(logp).read()[-3000:])
+        try:
+            _get(url + "/system_stats", timeout=5)
+            break
+        except Exception:
+            if time.time() - t0 > start_timeout:
+                proc.kill()
+                raise RuntimeError("ComfyUI did not start:\n" + open(logp).read()[-3000:])
+            time.sleep(0.5)
+    return proc, url, logp, logf
+
+
+def comfy_version(comfy):
+    ns = {}
+    try:
+        exec(open(os.path.join(comfy, "comfyui_version.py")).read(), ns)
+    except Exception:
+        pass
+    return ns.get("__version__", "?")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--comfy", action="append", required=True, help="ComfyUI tree (repeatable)")
+    p.add_argument("--flags", action="append", default=None,
+                   help='extra main.py flags for one server, e.g. "--highvram" (repeatable; "" = defaults)')
+    p.add_argument("--cases", default="stock,patched", help="comma list: stock, patched, easycache, lazycache, "
+                   "stock_easycache, stock_lazycache")
+    p.add_argument("--steps", type=int, default=28)
+    p.add_argument("--res", type=int, default=1024)
+    p.add_argument("--repeat", type=int, default=2, help="runs per case; the last one is reported")
+    p.add_argument("--weights", default="/dev/shm/flux1_dev_random.safetensors")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--json", help="write all results here")
+    p.add_argument("--logs", help="folder to copy each server's log into")
+    p.add_argument("--prompt-timeout", type=float, default=300)
+    p.add_argument("--cond-dims", default="4096,768", help="text context / pooled widths (a CPU smoke test with "
+                   "run.py --write-model --comfy-min weights uses that model's)")
+    a = p.parse_args()
+    flag_sets = a.flags if a.flags else [""]
+    cases = [c for c in a.cases.split(",") if c]
+
+    stub = tempfile.mkdtemp(prefix="flux_stub_")
+    os.makedirs(os.path.join(stub, "av"))
+    with open(os.path.join(stub, "av", "__init__.py"), "w") as f:
+        f.write(AV_STUB)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([x for x in (env.get("PYTHONPATH"), stub) if x])
+
+    t = time.time()
+    write_weights(a.weights)
+    vae_path = os.path.join(os.path.dirname(a.weights), "flux_vae_random.safetensors")
+    write_vae(vae_path, a.python, a.comfy[0], env)
+    print(f"[bench] weights ready ({time.time() - t:.1f} s)", flush=True)
+
+    rows, results = [], []
+    for comfy in a.comfy:
+        ver = comfy_version(comfy)
+        for flags in flag_sets:
+            base = tempfile.mkdtemp(prefix="flux_server_")
+            cn = os.path.join(base, "custom_nodes")
+            os.makedirs(cn)
+            os.symlink(ROOT, os.path.join(cn, "comfyui-flux-numba-kernels"))
+            with open(os.path.join(cn, "flux_numba_bench_cond.py"), "w") as f:
+                f.write(COND_NODE)
+            for sub, src in (("diffusion_models", a.weights), ("vae", vae_path)):
+                os.makedirs(os.path.join(base, "models", sub))
+                os.symlink(src, os.path.join(base, "models", sub, os.path.basename(src)))
+            rec = {"comfyui": ver, "tree": comfy, "flags": flags, "cases": {}}
+            results.append(rec)
+            t0 = time.time()
+            try:
+                proc, url, logp, logf = serve(a.python, comfy, base, flags, env)
+            except Exception as e:
+                rec["start_error"] = str(e)[-2000:]
+                rows.append((ver, flags or "(default)", "-", "server did not start", "", "", ""))
+                continue
+            rec["start_s"] = round(time.time() - t0, 1)
+            alive = True
+            for case in cases:
+                runs = []
+                for i in range(a.repeat):
+                    if proc.poll() is not None:
+                        alive = False
+                        break
+                    with GpuMem() as mem:
+                        try:
+                            r = run_prompt(url, graph(case, a.steps, a.res, 7 + i, os.path.basename(a.weights),
+                                                      os.path.basename(vae_path),
+                                                      tuple(int(v) for v in a.cond_dims.split(","))), a.prompt_timeout)
+                        except Exception as e:
+                            r = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                    r["peak_mib"] = mem.peak
+                    runs.append(r)
+                    print(f"[bench] {ver} {flags or '(default)'} {case} run {i + 1}: {r}", flush=True)
+                rec["cases"][case] = runs
+                last = runs[-1] if runs else {"ok": False, "error": "server died before this case"}
+                rows.append((ver, flags or "(default)", case, f"{last.get('s', float('nan')):.2f}" if last.get("ok") else
+                             "FAIL", f"{runs[0].get('s', float('nan')):.2f}" if runs and runs[0].get("ok") else "-",
+                             f"{last.get('peak_mib', 0) / 1024:.1f}", "" if last.get("ok") else last.get("error", "")[:60]))
+                if proc.poll() is not None:
+                    alive = False
+            alive = alive and proc.poll() is None
+            rec["server_alive"] = alive
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            logf.close()
+            log = open(logp, errors="replace").read()
+            rec["log_lines"] = [ln for ln in log.splitlines() if any(k in ln for k in KEYS)][:80]
+            rec["log_tail"] = log[-3000:]
+            if a.logs:
+                os.makedirs(a.logs, exist_ok=True)
+                tag = f"{ver}_{(flags or 'default').replace(' ', '').replace('-', '')}"
+                with open(os.path.join(a.logs, f"server_{tag}.log"), "w") as f:
+                    f.write(log[-400000:])
+            if not alive:
+                rows.append((ver, flags or "(default)", "-", "SERVER DIED", "", "", ""))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    for rec in results:
+        for ln in rec.get("log_lines", [])[:25]:
+            print(f"[log {rec['comfyui']} {rec['flags'] or 'default'}] {ln[:220]}")
+    print(f"\n{'ComfyUI':8} {'flags':22} {'case':16} {'s/image':>8} {'first':>7} {'peakGB':>7}  note")
+    for r in rows:
+        print(f"{r[0]:8} {r[1]:22} {r[2]:16} {r[3]:>8} {r[4]:>7} {r[5]:>7}  {r[6]}")
+
+
+if __name__ == "__main__":
+    main()
