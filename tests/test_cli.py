@@ -187,7 +187,25 @@ def test_benchmark_harness_smoke(tmp_path):
     out = tmp_path / "b.json"
     p = run("bench.py", "--config", "tiny", "--device", "cpu", "--res", "64", "--txt", "8", "--no-comfy",
             "--variants", "pack-torch,exact", "--reps", "2", "--warmup", "1", "--trajectory", "2", "--json", str(out))
-    res = json.load(open(out))["results"]
+    res = strict_load(out)["results"]
     assert set(res) == {"pack-torch", "exact"}
-    assert res["pack-torch"]["rel_err"] < 1e-5 and res["pack-torch"]["traj_psnr_db"] > 100
+    tr = res["pack-torch"]
+    assert tr["rel_err"] < 1e-5 and (tr["traj_identical"] if tr["traj_psnr_db"] is None else tr["traj_psnr_db"] > 100)
     assert "ms/step" in p.stdout
+
+
+def test_benchmark_default_variants_on_cpu(tmp_path):
+    """The README's bench smoke command (default variants): what cannot run on a CPU (+graph, and
+    stock without ComfyUI) is skipped with a note, the rest runs, exit 0, strict JSON."""
+    out = tmp_path / "b.json"
+    p = run("bench.py", "--config", "tiny", "--device", "cpu", "--res", "64", "--txt", "8", "--reps", "1",
+            "--warmup", "1", "--no-comfy", "--json", str(out))
+    assert "Traceback" not in p.stdout + p.stderr
+    doc = strict_load(out)
+    res = doc["results"]
+    for v in ("exact+graph", "fast+graph"):
+        assert "not a CUDA device" in res[v]["skipped"] and f"skipping variant {v}" in p.stdout
+    assert "ComfyUI" in res["stock"]["skipped"]
+    for v in ("pack-torch", "exact", "exact+attn", "fast"):
+        assert res[v]["ms"] > 0 and "error" not in res[v], res[v]
+    assert doc["info"]["speed_measurement"] is False and "not a speed measurement" in p.stdout
