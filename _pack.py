@@ -4,6 +4,7 @@ Inside ComfyUI the pack is imported by path as ``custom_nodes/<repo>``; outside 
 can have any name, so this registers a package object whose ``__path__`` is the repo root.  The
 root ``__init__`` (ComfyUI's entry point) is not executed: subpackages are imported on demand.
 """
+import importlib.util
 import os
 import sys
 import types
@@ -12,7 +13,19 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 NAME = "flux_numba_pack"  # not "...numba": numba-cuda's redirector recurses on names containing "numba.cuda"
 
 
+def numpy_compat():
+    """Run ``cuda_kernels/_numpy_compat.py`` (numpy 2.5's missing ``row_stack``, see there) on its
+    own, without importing the kernels package: a script or test may import numba-cuda right
+    after ``load()``, before anything from ``cuda_kernels``."""
+    path = os.path.join(ROOT, "cuda_kernels", "_numpy_compat.py")
+    spec = importlib.util.spec_from_file_location("_flux_numba_numpy_compat", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.APPLIED
+
+
 def load(name: str = NAME):
+    numpy_compat()
     mod = sys.modules.get(name)
     if mod is None:
         mod = types.ModuleType(name)

@@ -3,7 +3,8 @@
 
     python bench.py --res 1024                      # FLUX.1-dev architecture, random weights, H200
     python bench.py --model flux1-dev.safetensors   # real weights
-    python bench.py --config tiny --device cpu      # smoke test of the harness itself
+    python bench.py --config tiny --device cpu      # smoke test of the harness itself (slow on CPU)
+    python bench.py --config tiny --device cpu --res 64 --txt 8 --reps 1 --warmup 1   # quick smoke test
 
 Variants (all on one set of weights; ComfyUI's own ``Flux`` module when a ComfyUI tree is
 importable -- COMFYUI_PATH or .carry/ComfyUI -- else the pack's standalone model):
@@ -14,6 +15,8 @@ importable -- COMFYUI_PATH or .carry/ComfyUI -- else the pack's standalone model
   bf16-attn     as exact, bf16 Numba flash attention forced (wgmma kernel on Hopper)
   fast          as exact, 8-bit Numba attention
   ...+graph     the same forward captured once as a CUDA graph and replayed (no launch gaps)
+A variant that cannot run here (``stock`` without ComfyUI, ``+graph`` off a CUDA device or with
+offloaded weights) is skipped with a printed note and ``{"skipped": reason}`` in the JSON.
 Timing: CUDA events around one forward (= one sampling step), warm-up, median of repeats;
 "b2b ms": the same steps queued back to back (one pair of events), as a sampler that does not
 sync between steps runs them; SM clock / power / share of samples at the power cap from
@@ -22,7 +25,8 @@ Diagnostics: --profile (GPU kernel time by category, idle gaps on the timeline),
 (allocations live at the step's peak).
 Accuracy: relative error of one forward against an fp32 reference on the same (bf16-rounded)
 weights with TF32 off; optional N-step Euler trajectory PSNR against the fp32 trajectory.
-Prints a table last and writes JSON.
+Prints a table last and writes JSON (strict: no NaN/Infinity, a non-finite number is null).
+On a CPU no Numba kernel runs (the harness smoke test): its times are not a speed measurement.
 """
 import argparse
 import gc
@@ -34,17 +38,30 @@ import time
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def _int_at_least(lo, multiple=1):
+    def check(s):
+        try:
+            v = int(s)
+        except ValueError:
+            v = None
+        if v is None or v < lo or v % multiple:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {lo}"
+                                             + (f" and a multiple of {multiple}" if multiple > 1 else "") + f", got {s!r}")
+        return v
+    return check
+
+
 def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--res", type=int, default=1024)
-    p.add_argument("--txt", type=int, default=512, help="text tokens")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--res", type=_int_at_least(16, 16), default=1024, help="image side in pixels (multiple of 16)")
+    p.add_argument("--txt", type=_int_at_least(1), default=512, help="text tokens")
+    p.add_argument("--batch", type=_int_at_least(1), default=1)
     p.add_argument("--model", help="FLUX.1 .safetensors (default: random weights of --config)")
     p.add_argument("--config", default="flux1-dev", choices=["flux1-dev", "tiny"])
     p.add_argument("--device", default="auto")
     p.add_argument("--variants", default="stock,pack-torch,exact,exact+graph,exact+attn,fast,fast+graph")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=_int_at_least(0), default=2)
+    p.add_argument("--reps", type=_int_at_least(1), default=5)
     p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference (saves memory/time)")
     p.add_argument("--trajectory", type=int, default=0, help="also run an N-step Euler trajectory (PSNR vs fp32)")
     p.add_argument("--no-comfy", action="store_true", help="use the standalone model even if ComfyUI is importable")
@@ -182,7 +199,22 @@ def main():
                     return m(xin, tin, ctx_t, y, gd, bctx if policy else BlockContext(fused=False), dtype=xin.dtype)
         return fn
 
-    variants = [v for v in a.variants.split(",") if v and not (v == "stock" and not comfy_root)]
+    variants = [v for v in a.variants.split(",") if v]
+    results = {}
+    for v in variants:  # what cannot run here is skipped, with a note, before any time is spent
+        why = None
+        if v.split("+")[0] == "stock" and not comfy_root:
+            why = "needs ComfyUI's Flux module (COMFYUI_PATH or .carry/ComfyUI; --no-comfy was given)" if a.no_comfy \
+                else "needs ComfyUI's Flux module (set COMFYUI_PATH or put a tree in .carry/ComfyUI)"
+        elif v.endswith("+graph"):
+            from flux_numba_pack.flux_core.graphs import graph_blockers
+            blockers = graph_blockers(model, dev)
+            if blockers:
+                why = "cannot capture a CUDA graph: " + "; ".join(blockers)
+        if why:
+            print(f"skipping variant {v}: {why}")
+            results[v] = {"skipped": why}
+    variants = [v for v in variants if v not in results]
 
     # ---------------------------------------------------------------- fp32 reference
     ref_out, ref_traj = None, None
@@ -207,7 +239,6 @@ def main():
 
     # ---------------------------------------------------------------- time each variant
     registry.autotune = a.autotune
-    results = {}
     for v in variants:
         fn = forward_fn(v)
         try:
@@ -234,7 +265,8 @@ def main():
                 r["rel_err"] = rel_err(ref_out, out.float())
             if ref_traj is not None:
                 traj = euler_sample(fn, x, steps)
-                r["traj_psnr_db"] = psnr(ref_traj, traj.float())
+                r["traj_psnr_db"] = psnr(ref_traj, traj.float())  # inf (JSON null) when identical:
+                r["traj_identical"] = bool(torch.equal(ref_traj.float(), traj.float()))
             results[v] = r
             print(f"{v}: {r['ms']:.2f} ms  " + json.dumps({k: r[k] for k in r if k not in ('times',)}))
         except Exception as e:  # report and go on
@@ -265,17 +297,24 @@ def main():
         except Exception as e:
             results["vae-decode"] = {"error": f"{type(e).__name__}: {e}"}
 
-    base = results.get("stock", results.get("pack-torch", {})).get("ms")
+    info["speed_measurement"] = dev.type == "cuda" and not runtime.SIMULATOR
+    # the "vs stock" column: against ComfyUI's forward, else the pack's torch path; none off a GPU
+    base = ((results.get("stock") or {}).get("ms") or (results.get("pack-torch") or {}).get("ms")
+            if info["speed_measurement"] else None)
+    doc = _strict_json({"info": info, "results": results})
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:
-        json.dump({"info": info, "results": results}, f, indent=1)
+        json.dump(doc, f, indent=1, allow_nan=False)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], os.path.basename(a.json)), "w") as f:
-            json.dump({"info": info, "results": results}, f, indent=1)
+            json.dump(doc, f, indent=1, allow_nan=False)
     print(f"\nFLUX {a.config if not a.model else a.model} {a.res}x{a.res} txt {a.txt} batch {a.batch} on {info['device']}")
     print(f"{'variant':<12} {'ms/step':>9} {'vs stock':>9} {'b2b ms':>7} {'peak GB':>8} {'rel err':>8} {'traj dB':>8} {'SM MHz':>7} {'W':>5} {'capped':>6}")
     for v, r in results.items():
         if v == "vae-decode":
+            continue
+        if "skipped" in r:
+            print(f"{v:<12} skipped: {r['skipped'][:90]}")
             continue
         if "ms" not in r and "error" not in r:
             continue
@@ -291,6 +330,8 @@ def main():
               if ck else f"{'-':>7} {'-':>5} {'-':>6}")
         b2b = f"{r['ms_back_to_back']:.2f}" if r.get("ms_back_to_back") else "-"
         print(f"{v:<12} {r['ms']:>9.2f} {ratio:>9} {b2b:>7} {pk:>8} {re_:>8} {tr:>8} {cl}")
+    if not info["speed_measurement"]:
+        print("(not on a CUDA GPU: no Numba kernel ran; a smoke test of the harness, not a speed measurement)")
     vd = results.get("vae-decode")
     if vd:
         if "stock_ms" in vd:
@@ -298,6 +339,18 @@ def main():
                   f"({vd['speedup']}x), PSNR patched vs stock {vd['psnr_patched_vs_stock']} dB")
         else:
             print(f"VAE decode: {vd}")
+
+
+def _strict_json(x):
+    """``x`` with every non-finite float replaced by None (for json.dump(allow_nan=False))."""
+    import math
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict_json(v) for v in x]
+    return x
 
 
 def memory_at_peak(fn, label, top=14):

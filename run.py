@@ -1,66 +1,188 @@
 #!/usr/bin/env python3
-"""Main job: sample FLUX stock and patched, per-step timing, agreement, saved result.
+"""Main job: sample FLUX stock and patched, per-step timing, agreement, saved latents.
 
     python run.py                      # embedded tiny FLUX (generated from a seed), 4 steps
     python run.py --model flux1-dev.safetensors --width 1024 --height 1024 --steps 28
 
 Without a CUDA GPU it says so and runs what it can: the stock path and the pack's path with
 torch backends (the Numba kernels need a GPU; ``--simulator`` runs them in Numba's CUDA
-simulator instead -- very slow, tiny models only).  Text encoders are out of scope: the prompt
-embedding is random from ``--seed`` (the same for both paths), as the timing does not depend on it.
+simulator instead -- very slow, tiny models only).  Timings are a speed measurement only when
+Numba kernels ran on a GPU; run.json says which (``speed_measurement``).  Text encoders and the
+VAE are out of scope: the prompt embedding is random from ``--seed`` (the same for both paths),
+as the timing does not depend on it, and the saved picture is of the latent, not decoded.
+
+Output (``--out``): latents.safetensors (stock and patched latents), latent_preview.png (the
+patched latent's first three channels as RGB, x8: a picture of the latent, not an image), and
+run.json (strict JSON: no NaN/Infinity; identical outputs give ``psnr_db: null, identical: true``).
+A bad option or file ends the job with one line naming it and a non-zero exit code.
 """
 import argparse
 import json
+import math
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+ATTENTIONS = ["auto", "torch", "numba", "numba-8bit"]  # registry backends of the attention op
+PREVIEW = "latent_preview.png"
 
 
-def parse():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="FLUX.1 diffusion-model .safetensors (default: embedded tiny model)")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--height", type=int, default=256)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--txt-len", type=int, default=256, help="text tokens (ComfyUI pads T5 to >= 256)")
-    p.add_argument("--guidance", type=float, default=3.5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    p.add_argument("--attention", default="auto", help="auto | torch | numba | numba-8bit")
+class Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block) and exits 2."""
+
+    def error(self, message):  # argparse's own errors (a bad option value, an unknown option)
+        self.fail(f"{message} (--help lists the options)")
+
+    def fail(self, message):
+        """One line on stderr, exit status 2: a bad option or file found after parsing."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(s):
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {v}")
+    return v
+
+
+def multiple_of_16(s):
+    try:
+        v = int(s)
+    except ValueError:
+        v = None
+    if v is None or v <= 0 or v % 16:
+        raise argparse.ArgumentTypeError(f"must be a positive multiple of 16 (pixels), got {s!r}")
+    return v
+
+
+def finite_float(s):
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {s!r}")
+    return v
+
+
+def seed_int(s):
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {s!r}") from None
+    if not -2 ** 63 <= v < 2 ** 64:  # what torch.Generator.manual_seed takes
+        raise argparse.ArgumentTypeError(f"must be in [-2**63, 2**64), got {v}")
+    return v
+
+
+def device_name(s):
+    if s in ("auto", "cpu", "cuda") or (s.startswith("cuda:") and s[5:].isdigit()):
+        return s
+    raise argparse.ArgumentTypeError(f"invalid choice: {s!r} (choose from 'auto', 'cuda', 'cuda:N', 'cpu')")
+
+
+def parser():
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", metavar="PATH",
+                   help="FLUX.1 diffusion-model .safetensors (default: embedded tiny model)")
+    p.add_argument("--steps", type=positive_int, default=4, help="sampling steps, >= 1 (default 4)")
+    p.add_argument("--width", type=multiple_of_16, default=256, help="image width in pixels, a multiple of 16 (default 256)")
+    p.add_argument("--height", type=multiple_of_16, default=256, help="image height in pixels, a multiple of 16 (default 256)")
+    p.add_argument("--batch", type=positive_int, default=1, help="images per batch, >= 1 (default 1)")
+    p.add_argument("--txt-len", type=positive_int, default=256,
+                   help="text tokens, >= 1 (default 256: ComfyUI pads T5 to >= 256)")
+    p.add_argument("--guidance", type=finite_float, default=3.5, help="FLUX guidance value (default 3.5)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the noise and the random prompt embedding (default 0)")
+    p.add_argument("--device", type=device_name, default="auto",
+                   help="auto (CUDA when torch sees a GPU, else CPU) | cuda | cuda:N | cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                   help="compute dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--attention", default="auto", choices=ATTENTIONS,
+                   help="attention backend of the patched path: auto (the registry picks) | torch | "
+                        "numba (bf16 flash attention) | numba-8bit; a Numba one falls back to torch where it "
+                        "cannot run, with a log line")
     p.add_argument("--simulator", action="store_true", help="run Numba kernels in the CUDA simulator (CPU)")
-    p.add_argument("--out", default=os.path.join(ROOT, "out"), help="folder for the result")
+    p.add_argument("--out", metavar="DIR", default=os.path.join(ROOT, "out"),
+                   help="folder for latents.safetensors, latent_preview.png and run.json (default ./out)")
     p.add_argument("--write-model", metavar="PATH",
                    help="write the embedded tiny model as a ComfyUI-layout .safetensors and exit")
     p.add_argument("--comfy-min", action="store_true",
                    help="with --write-model: the smallest checkpoint ComfyUI detects as FLUX "
                         "(hidden 3072, 1 double + 1 single block, ~531 M params, ~1.06 GB bf16)")
-    return p.parse_args()
+    return p
+
+
+def prepare_out(p, out):
+    """Create the output folder before any work, so that a bad --out fails at once."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        p.fail(f"argument --out: {out} exists and is not a folder")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        p.fail(f"argument --out: cannot create folder {out} ({e.strerror or e})")
+    if not os.access(out, os.W_OK):
+        p.fail(f"argument --out: folder {out} is not writable")
+
+
+def strict_json(x):
+    """``x`` with every non-finite float replaced by None (json.dump(allow_nan=False) then holds)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    return x
 
 
 def main():
-    a = parse()
+    p = parser()
+    a = p.parse_args()
+    if a.comfy_min and not a.write_model:
+        p.fail("argument --comfy-min: only used with --write-model PATH")
+    if a.model and not a.write_model and not os.path.isfile(a.model):
+        p.fail(f"argument --model: {'is a folder, not a file' if os.path.isdir(a.model) else 'no such file'}: {a.model}")
     if a.simulator:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-    if a.width % 16 or a.height % 16 or a.width <= 0 or a.height <= 0:
-        raise SystemExit(f"--width/--height must be positive multiples of 16, got {a.width}x{a.height}")
     sys.path.insert(0, ROOT)
     import _pack
     _pack.load()
     import torch
     from flux_numba_pack.cuda_kernels import registry, runtime
-    from flux_numba_pack.flux_core import (BlockContext, FluxModel, euler_sample, flux_schedule,
-                                           inspect_checkpoint, load_state_dict, tiny_state_dict)
+    from flux_numba_pack.flux_core import (BlockContext, CheckpointError, FluxModel, NotFluxError, euler_sample,
+                                           flux_schedule, inspect_checkpoint, load_state_dict, tiny_state_dict)
     from flux_numba_pack.flux_core.harness import StepTimer, pick_device, pick_dtype, psnr, med
 
     if a.write_model:
         from flux_numba_pack.flux_core import comfy_min_state_dict, save_state_dict
         sd = comfy_min_state_dict(seed=0) if a.comfy_min else tiny_state_dict(seed=0, dtype=torch.bfloat16)
-        save_state_dict(sd, a.write_model, prefix="model.diffusion_model.")
+        try:
+            save_state_dict(sd, a.write_model, prefix="model.diffusion_model.")
+        except OSError as e:
+            p.fail(f"argument --write-model: cannot write {a.write_model} ({e.strerror or e})")
         print(f"wrote {a.write_model}: {sum(v.numel() for v in sd.values()) / 1e6:.1f} M params, bf16")
         return
+    if a.device.startswith("cuda") and not a.simulator:
+        if not torch.cuda.is_available():
+            p.fail(f"argument --device: {a.device} asked for, but torch sees no CUDA GPU")
+        if ":" in a.device and int(a.device[5:]) >= torch.cuda.device_count():
+            p.fail(f"argument --device: {a.device}, but torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+    prepare_out(p, a.out)
+    if a.model:  # every check of the file before anything is printed or sampled
+        try:
+            cfg = inspect_checkpoint(a.model)
+            sd = load_state_dict(a.model)
+        except NotFluxError as e:  # a readable checkpoint of another model: say which file
+            p.fail(f"argument --model: {a.model}: {e}")
+        except CheckpointError as e:  # unreadable: the message names the file
+            p.fail(f"argument --model: {e}")
+        except OSError as e:
+            p.fail(f"argument --model: cannot read {a.model} ({e.strerror or e})")
+    else:
+        sd = tiny_state_dict(seed=0)
     dev = pick_device(a.device)
     dtype = pick_dtype(a.dtype, dev)
     if a.simulator:
@@ -75,12 +197,9 @@ def main():
         print("Numba kernels run in the CUDA simulator (slow; correctness only, timings meaningless).")
 
     if a.model:
-        cfg = inspect_checkpoint(a.model)
         print(f"model {a.model}: hidden {cfg.hidden_size}, {cfg.depth}+{cfg.depth_single_blocks} blocks, "
               f"{cfg.n_params() / 1e9:.2f} B params")
-        sd = load_state_dict(a.model)
     else:
-        sd = tiny_state_dict(seed=0)
         print("model: embedded tiny FLUX (hidden 128, 2+2 blocks, generated from seed 0)")
     model = FluxModel.from_state_dict(sd, device=dev, dtype=None if next(iter(sd.values())).dtype in
                                       (torch.float8_e4m3fn, torch.float8_e5m2) else dtype)
@@ -113,36 +232,63 @@ def main():
         pol["attention"] = a.attention
     patched, t_ours, used = sample("patched", True, pol)
 
-    print(f"\n{'step':>4} {'t':>6} {'stock ms':>10} {'patched ms':>11}")
-    for i, (t0, t1) in enumerate(zip(t_stock, t_ours)):
-        print(f"{i:>4} {ts[i]:>6.3f} {t0:>10.2f} {t1:>11.2f}")
-    ms_s, ms_o = med(t_stock[1:] or t_stock), med(t_ours[1:] or t_ours)
-    print(f"{'med':>4} {'':>6} {ms_s:>10.2f} {ms_o:>11.2f}   (first step excluded: warm-up / JIT)")
     ran = {}
     for u in used:
         for op, bk in u.items():
             for b in bk:
                 ran.setdefault(op, set()).add(b)
+    numba_ran = any(b != "torch" for bs in ran.values() for b in bs)
+    if not numba_ran:
+        speed_note = ("no Numba kernel ran: both paths ran on torch" + (" on the CPU" if dev.type == "cpu" else "")
+                      + "; the times show the job works, not how fast the pack is")
+    elif runtime.SIMULATOR or dev.type != "cuda":
+        speed_note = "the Numba kernels ran in the CUDA simulator on the CPU; its times say nothing about speed"
+    else:
+        speed_note = None
+    speed = speed_note is None
+    if not speed:
+        print(f"\nNOT a speed measurement: {speed_note}.")
+    print(f"\n{'step':>4} {'t':>6} {'stock ms':>10} {'patched ms':>11}")
+    for i, (t0, t1) in enumerate(zip(t_stock, t_ours)):
+        print(f"{i:>4} {ts[i]:>6.3f} {t0:>10.2f} {t1:>11.2f}")
+    ms_s, ms_o = med(t_stock[1:] or t_stock), med(t_ours[1:] or t_ours)
+    print(f"{'med':>4} {'':>6} {ms_s:>10.2f} {ms_o:>11.2f}   (first step excluded: warm-up / JIT)"
+          + ("" if speed else "   [not a speed measurement]"))
     print("backends (patched): " + ", ".join(f"{op}={'/'.join(sorted(b))}" for op, b in sorted(ran.items())))
-    p = psnr(stock.float(), patched.float())
-    mad = (stock.float() - patched.float()).abs().max().item()
-    print(f"agreement stock vs patched: PSNR {p:.1f} dB, max abs diff {mad:.3g}")
+    s32, p32 = stock.float(), patched.float()
+    finite = bool(torch.isfinite(s32).all() and torch.isfinite(p32).all())
+    identical = finite and torch.equal(s32, p32)
+    p_db = None if identical or not finite else psnr(s32, p32)
+    mad = (s32 - p32).abs().max().item() if finite else None
+    if not finite:
+        print("agreement stock vs patched: not measurable, an output has NaN/Inf values")
+    elif identical:
+        print("agreement stock vs patched: identical outputs (max abs diff 0; PSNR infinite, written as "
+              "psnr_db null, identical true)")
+    else:
+        print(f"agreement stock vs patched: PSNR {p_db:.1f} dB, max abs diff {mad:.3g}")
 
-    os.makedirs(a.out, exist_ok=True)
     from safetensors.torch import save_file
-    save_file({"stock": stock.float().cpu().contiguous(), "patched": patched.float().cpu().contiguous()},
+    save_file({"stock": s32.cpu().contiguous(), "patched": p32.cpu().contiguous()},
               os.path.join(a.out, "latents.safetensors"))
-    preview(patched[0].float().cpu(), os.path.join(a.out, "patched_preview.png"))
+    preview(p32[0].cpu(), os.path.join(a.out, PREVIEW))
     rec = {"device": str(dev), "dtype": str(dtype), "model": a.model or "embedded-tiny", "steps": a.steps,
-           "size": [a.width, a.height], "stock_ms": t_stock, "patched_ms": t_ours, "psnr_db": p,
-           "max_abs_diff": mad, "backends": {k: sorted(v) for k, v in ran.items()}}
+           "size": [a.width, a.height], "batch": a.batch, "stock_ms": t_stock, "patched_ms": t_ours,
+           "speed_measurement": speed, "speed_note": speed_note,
+           "psnr_db": p_db, "identical": identical, "finite": finite, "max_abs_diff": mad,
+           "backends": {k: sorted(v) for k, v in ran.items()},
+           "latent_preview": {"file": PREVIEW, "what": "patched latent, channels 0-2 as RGB (each stretched to "
+                                                      "0..255), nearest x8: a picture of the latent, not a "
+                                                      "decoded image"}}
     with open(os.path.join(a.out, "run.json"), "w") as f:
-        json.dump(rec, f, indent=1)
-    print(f"saved {a.out}/latents.safetensors, patched_preview.png, run.json")
+        json.dump(strict_json(rec), f, indent=1, allow_nan=False)
+    print(f"saved {a.out}/: latents.safetensors (stock and patched latents), run.json, and {PREVIEW}: "
+          f"a picture of the latent (its first 3 of {cfg.in_channels} channels as RGB, x8), not a decoded image "
+          f"(no VAE in this job)")
 
 
 def preview(lat, path):
-    """Latent preview: first three channels, each stretched to 0..255, nearest-upscaled x8."""
+    """Latent picture: first three channels, each stretched to 0..255, nearest-upscaled x8."""
     import numpy as np
     from PIL import Image
     x = lat[:3]

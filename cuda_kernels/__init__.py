@@ -2,6 +2,7 @@
 
 Importing this package registers every op in ``registry``.  No ComfyUI imports here.
 """
+from . import _numpy_compat  # noqa: F401  (first: before anything imports numba-cuda)
 from .registry import registry, REFERENCE  # noqa: F401
 from . import runtime  # noqa: F401
 from . import ln_modulate, gated_residual, qk_norm_rope, gelu_tanh, attention  # noqa: F401

@@ -115,7 +115,15 @@ def read_header(path: str) -> Dict[str, dict]:
             header = json.loads(f.read(n))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (header is a JSON {type(header).__name__}, "
+                              f"not a table of tensors)")
     header.pop("__metadata__", None)
+    for k, v in header.items():
+        offs = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+                and isinstance(v.get("shape"), list)):
+            raise CheckpointError(f"{path}: not a safetensors file (header entry {k!r} is not a tensor record)")
     end = max((v["data_offsets"][1] for v in header.values()), default=0)
     if 8 + n + end > size:
         raise CheckpointError(f"{path}: truncated: header promises {8 + n + end} bytes, file has {size}")

@@ -21,7 +21,7 @@ def weight_dtype_options(weight_dtype: str) -> dict:
     """UNETLoader's mapping of the weight_dtype widget to load_diffusion_model's model_options."""
     import torch
     if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+        raise ValueError(f"FluxNumbaLoader: weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
     model_options = {}
     if weight_dtype == "fp8_e4m3fn":
         model_options["dtype"] = torch.float8_e4m3fn
@@ -45,9 +45,9 @@ def check_flux_file(path: str):
     try:
         return inspect_checkpoint(path)
     except NotFluxError as e:
-        raise NotFluxError(f"{name}: {e}") from None
+        raise NotFluxError(f"FluxNumbaLoader: unet_name {name}: {e}") from None
     except CheckpointError as e:
-        raise CheckpointError(f"{name}: {e}") from None
+        raise CheckpointError(f"FluxNumbaLoader: unet_name {name}: {e}") from None
 
 
 def check_loaded_model(model_patcher, name: str):
@@ -57,7 +57,7 @@ def check_loaded_model(model_patcher, name: str):
     cfg = getattr(getattr(base, "model_config", None), "unet_config", {}) or {}
     kind = cfg.get("image_model")
     if kind != "flux":
-        raise NotFluxError(f"{name}: not a FLUX.1 diffusion model: ComfyUI detected "
+        raise NotFluxError(f"FluxNumbaLoader: unet_name {name}: not a FLUX.1 diffusion model: ComfyUI detected "
                            f"{kind or type(base).__name__}")
 
 
@@ -86,10 +86,16 @@ class FluxNumbaLoader:
         }}
 
     def load(self, unet_name, weight_dtype="default"):
+        model_options = weight_dtype_options(weight_dtype)
+        if not isinstance(unet_name, str) or not unet_name:
+            raise ValueError(f"FluxNumbaLoader: unet_name must be a file name from models/diffusion_models, "
+                             f"got {unet_name!r}")
         import folder_paths
         import comfy.sd
-        model_options = weight_dtype_options(weight_dtype)
-        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        path = folder_paths.get_full_path("diffusion_models", unet_name)
+        if path is None:
+            raise FileNotFoundError(f"FluxNumbaLoader: unet_name {unet_name!r} is not in models/diffusion_models "
+                                    f"(folders: {folder_paths.get_folder_paths('diffusion_models')})")
         cfg = check_flux_file(path)
         if cfg is not None:
             log.info("[flux_numba] %s: FLUX.1, hidden %d, %d double + %d single blocks, guidance %s",

@@ -11,9 +11,15 @@ import math
 
 def _as_numpy(img, name):
     import numpy as np
+    if img is None:
+        raise ValueError(f"FluxNumbaQualityCompare: {name} is missing (connect an IMAGE output to it)")
     if hasattr(img, "detach"):
         img = img.detach().float().cpu().numpy()
-    a = np.asarray(img, dtype=np.float64)
+    try:
+        a = np.asarray(img, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"FluxNumbaQualityCompare: {name} must be an IMAGE batch [B,H,W,C], "
+                         f"got {type(img).__name__}") from None
     if a.ndim == 3:
         a = a[None]
     if a.ndim != 4:

@@ -133,6 +133,21 @@ def chart_array(runs: List[dict], width: int = 1024, height: int = 512):
     return buf[..., :3].astype(np.float32) / 255.0
 
 
+NODE_ID = "FluxNumbaTimingReport"
+
+
+def _int_input(name, value, lo, hi):
+    """A whole-number widget value in [lo, hi]; ValueError naming the node and the input otherwise."""
+    try:
+        v = int(value)
+        ok = v == value if isinstance(value, float) else not isinstance(value, bool)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or not lo <= v <= hi:
+        raise ValueError(f"{NODE_ID}: {name} must be a whole number of pixels in {lo}..{hi}, got {value!r}")
+    return v
+
+
 class FluxNumbaTimingReport:
     @classmethod
     def INPUT_TYPES(cls):
@@ -172,9 +187,14 @@ class FluxNumbaTimingReport:
 
     def report(self, samples, selection="last", samples_2=None, width=1024, height=512, unique_id=None):
         import torch
-        runs = timer.select_runs(selection)
+        width = _int_input("width", width, 256, 4096)
+        height = _int_input("height", height, 128, 4096)
+        try:
+            runs = timer.select_runs(selection)
+        except timer.SelectionError as e:
+            raise ValueError(f"{NODE_ID}: selection {e} (use {timer.SELECTION_HELP})") from None
         text = table_text(runs)
-        img = torch.from_numpy(chart_array(runs, int(width), int(height))).unsqueeze(0)
+        img = torch.from_numpy(chart_array(runs, width, height)).unsqueeze(0)
         return {"ui": {"text": [text]}, "result": (img, text, samples)}
 
 

@@ -189,12 +189,22 @@ def clear_runs():
         _runs.clear()
 
 
+class SelectionError(ValueError):
+    """A report selection string that cannot be read (e.g. ``run:abc``)."""
+
+
+SELECTION_HELP = "'last', 'all', a label, 'run:<id>' or 'node:<id>', several comma-separated"
+
+
 def select_runs(selection: str = "last") -> List[dict]:
     """Runs chosen by a report selection string.
 
     ``last``: the newest run of every label (so a stock-vs-patched workflow shows both);
     ``all``: every kept run; ``run:<id>``; ``node:<id>``: newest run of that timer node;
-    anything else: the newest run with that label.  Several selections may be comma-separated."""
+    anything else: the newest run with that label.  Several selections may be comma-separated.
+    Raises SelectionError for a string that cannot be read (``run:`` without a number...)."""
+    if selection is not None and not isinstance(selection, str):
+        raise SelectionError(f"must be text ({SELECTION_HELP}), got {type(selection).__name__} {selection!r}")
     sel = (selection or "last").strip()
     out: List[dict] = []
     seen = set()
@@ -219,9 +229,16 @@ def select_runs(selection: str = "last") -> List[dict]:
             for d in get_runs():
                 add(d)
         elif low.startswith("run:"):
-            add(get_run(int(part[4:])))
+            rid = part[4:].strip()
+            if not rid.isdigit():
+                raise SelectionError(f"{part!r}: run:<id> takes a run number (the 'run' column of the table), "
+                                     f"e.g. run:3, got {rid!r}")
+            add(get_run(int(rid)))
         elif low.startswith("node:"):
-            add(last_run(node_id=part[5:].strip()))
+            nid = part[5:].strip()
+            if not nid:
+                raise SelectionError(f"{part!r}: node:<id> takes a timer node's id, e.g. node:12")
+            add(last_run(node_id=nid))
         else:
             add(last_run(label=part))
     out.sort(key=lambda d: d["run"])
@@ -515,7 +532,23 @@ class FluxNumbaStepTimer:
                    "description left by FluxNumbaPatch. Results: live chart on this node, "
                    "FluxNumbaTimingReport node.")
 
+    @staticmethod
+    def check_label(label):
+        """The label as the report can select it; ValueError naming the node and input otherwise."""
+        if not isinstance(label, str):
+            raise ValueError(f"FluxNumbaStepTimer: label must be text, got {type(label).__name__} {label!r}")
+        key = label.strip().lower()
+        why = ("is empty" if not key else
+               "contains ',' (the report splits selections at commas)" if "," in key else
+               f"is a report keyword ('{key}' selects runs of every label)" if key in ("last", "all") else
+               "starts with 'run:' or 'node:' (report selection syntax)" if key.startswith(("run:", "node:")) else None)
+        if why:
+            raise ValueError(f"FluxNumbaStepTimer: label {label!r} {why}; use a plain name such as 'stock' or "
+                             f"'patched' so that FluxNumbaTimingReport can select it")
+        return label
+
     def apply(self, model, label="patched", profile_split=False, unique_id=None):
+        self.check_label(label)
         import comfy.patcher_extension as pe
 
         m = model.clone()

@@ -225,6 +225,10 @@ class FluxNumbaVAEPatch:
         }
 
     def patch(self, vae, enabled=True, backend="auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"{NODE_ID}: backend must be one of {list(BACKENDS)}, got {backend!r}")
+        if not isinstance(enabled, (bool, int)):
+            raise ValueError(f"{NODE_ID}: enabled must be a boolean, got {enabled!r}")
         if not enabled:
             log.info("[flux_numba] %s disabled: VAE passes through stock", NODE_ID)
             return (vae,)
