@@ -12,8 +12,8 @@ VAE are out of scope: the prompt embedding is random from ``--seed`` (the same f
 as the timing does not depend on it, and the saved picture is of the latent, not decoded.
 
 Output (``--out``): latents.safetensors (stock and patched latents), latent_preview.png (the
-patched latent's first three channels as RGB, x8: a picture of the latent, not an image), and
-run.json (strict JSON: no NaN/Infinity; identical outputs give ``psnr_db: null, identical: true``).
+patched latent's first three channels as RGB, x8: a picture of the latent, not a decoded image),
+and run.json (strict JSON: no NaN/Infinity; identical outputs give ``psnr_db: null, identical: true``).
 A bad option or file ends the job with one line naming it and a non-zero exit code.
 """
 import argparse
@@ -106,7 +106,7 @@ def parser():
                         "cannot run, with a log line")
     p.add_argument("--simulator", action="store_true", help="run Numba kernels in the CUDA simulator (CPU)")
     p.add_argument("--out", metavar="DIR", default=os.path.join(ROOT, "out"),
-                   help="folder for latents.safetensors, latent_preview.png and run.json (default ./out)")
+                   help="folder for latents.safetensors, latent_preview.png and run.json (default: out/ next to run.py)")
     p.add_argument("--write-model", metavar="PATH",
                    help="write the embedded tiny model as a ComfyUI-layout .safetensors and exit")
     p.add_argument("--comfy-min", action="store_true",
