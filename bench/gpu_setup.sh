@@ -8,7 +8,7 @@ if [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-if [ ! -d /tmp/trees ]; then
+rm -rf /tmp/trees; if true; then
   mkdir -p /tmp/trees && tar -xJf .gpu/comfy_trees.tar.xz -C /tmp/trees
 fi
 export COMFY080=/tmp/trees/ComfyUI-0.8.0 COMFY033=/tmp/trees/ComfyUI-0.33.0
