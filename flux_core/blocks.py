@@ -36,8 +36,9 @@ class Weights:
     own parameter, whatever it is called (``.scale`` in FLUX's reference and ComfyUI v0.8.0,
     ``.weight`` in ``torch.nn.RMSNorm`` / ComfyUI v0.33's ops).  ``norm_eps(m, like)`` -> its epsilon.
     ``linear(lin, x)`` -> (weight, bias) usable directly on x, or None when the module must be
-    called.  ``release()`` ends the use of what was handed out (a host that stages weights per call
-    frees them there); whoever made the BlockContext calls it once the block's work is queued."""
+    called.  ``release()`` ends the use of what was handed out so far (a host that stages weights per
+    call frees them there): blocks call it right after the kernel that read them is queued, as
+    ComfyUI's own ops do, and whoever made the BlockContext calls it once more at the end."""
 
     FLUX_EPS = 1e-6  # FLUX.1's q/k RMSNorm epsilon where the module does not say
 
@@ -171,6 +172,7 @@ def double_block(blk, img, txt, vec, pe, mask=None, ctx: Optional[BlockContext] 
     txt_qkv = blk.txt_attn.qkv(registry.call("ln_modulate", txt, t_sh1, t_sc1, eps))
     parts, qk_eps = _qk_parts([(txt_qkv, blk.txt_attn), (img_qkv, blk.img_attn)], ctx)
     q, k, v, q8 = ctx.qk_norm_rope(parts, pe, H, qk_eps)
+    ctx.host.release()  # the norm scales' last use is queued (a staging host frees them now, as its ops do)
     del img_qkv, txt_qkv, parts
     attn = ctx.attn(q, k, v, mask, pack=q8)
     del q, k, v, q8
@@ -195,7 +197,9 @@ def _mlp(mlp, x, ctx: Optional[BlockContext] = None):
     """Linear -> GELU(tanh) -> Linear, the GELU through the registry (or in the GEMM epilogue)."""
     pw = ctx.host.linear(mlp[0], x) if ctx is not None and ctx.gemm_epilogue else None
     if pw is not None:
-        return mlp[2](registry.call("linear_gelu", x, pw[0], pw[1]))
+        h = registry.call("linear_gelu", x, pw[0], pw[1])
+        ctx.host.release()
+        return mlp[2](h)
     return mlp[2](registry.call("gelu_tanh", mlp[0](x)))
 
 
@@ -216,7 +220,9 @@ def _linear_rows(lin, x, ctx):
         x2 = x.view(B * L, K)
     except RuntimeError:
         return lin(x)
-    return torch.addmm(pw[1], x2, pw[0].t()).view(B, L, -1)
+    out = torch.addmm(pw[1], x2, pw[0].t()).view(B, L, -1)
+    ctx.host.release()
+    return out
 
 
 def _views_of(base, *ts) -> bool:
@@ -241,6 +247,7 @@ def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None)
     qkv, mlp = lin1[..., :3 * C], lin1[..., 3 * C:]
     parts, qk_eps = _qk_parts([(qkv, blk)], ctx)
     q, k, v, q8 = ctx.qk_norm_rope(parts, pe, H, qk_eps)
+    ctx.host.release()
     del parts
     if ctx.fused and not _views_of(lin1, q, k, v):
         # linear2's input [attn | gelu(mlp)] is built inside linear1's output: the attention
