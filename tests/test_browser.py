@@ -1,7 +1,8 @@
 """End-to-end: the step-timer chart in a real ComfyUI page (headless Chromium), on CPU.
 
 Runs only when all of these are available, else skips with the reason:
-  * COMFYUI_PATH -> a ComfyUI tree (main.py); COMFYUI_PYTHON (default: this interpreter) can run it;
+  * a ComfyUI tree (marked ``comfyui``: runs per tree from test_comfyui_matrix, or at COMFYUI_PATH);
+    COMFYUI_PYTHON (default: this interpreter) can run it;
   * Debian's chromium (/usr/bin/chromium, or CHROMIUM_PATH);
   * playwright-core from npm (PLAYWRIGHT_CORE_DIR = its folder, or found in /work/browser-tools,
     <repo>/.browser-tools (ignored) or the global npm root).  No browser is downloaded.
@@ -50,6 +51,10 @@ import urllib.request
 
 import pytest
 
+from _comfy_trees import comfyui_path
+
+pytestmark = pytest.mark.comfyui
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ART = os.path.join(ROOT, "artifacts")
 EXAMPLE = os.path.join(ROOT, "example_workflows", "flux1_dev_stock_vs_numba.json")
@@ -62,12 +67,7 @@ EX_STEPS = 3
 
 # ------------------------------------------------------------------------------------------ discovery
 def _comfy_path():
-    p = os.environ.get("COMFYUI_PATH")
-    if not p:
-        return None, "COMFYUI_PATH is not set (point it at a ComfyUI tree to run the browser test)"
-    if not os.path.isfile(os.path.join(p, "main.py")):
-        return None, f"COMFYUI_PATH={p} has no main.py"
-    return os.path.abspath(p), None
+    return comfyui_path()  # tests/_comfy_trees.py: per tree from test_comfyui_matrix, or COMFYUI_PATH
 
 
 def _comfy_python(comfy):

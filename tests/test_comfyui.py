@@ -1,9 +1,9 @@
-"""Tests that run ComfyUI itself (v0.8.0 source tree at $COMFYUI_PATH, on CPU).
+"""Tests that run ComfyUI itself (a source tree at $COMFYUI_PATH, on CPU; v0.8.0 and v0.33.0 supported).
 
-Skipped unless COMFYUI_PATH points to a ComfyUI tree that imports.  Run with the venv that has
-ComfyUI's requirements::
+Marked ``comfyui``: tests/test_comfyui_matrix.py runs them once per tree found (see
+tests/_comfy_trees.py); skipped otherwise.  Direct use, with the venv that has ComfyUI's requirements::
 
-    COMFYUI_PATH=/work/main/.carry/ComfyUI /work/venv-comfy/bin/python -m pytest -q tests/test_comfyui.py
+    COMFYUI_PATH=.carry/ComfyUI-0.8.0 /work/venv-comfy/bin/python -m pytest -q tests/test_comfyui.py
 
 (a) the pack loads in ``main.py --quick-test-for-ci`` from a custom_nodes folder whose name ends in
     "numba" (the redirector trap), and ComfyUI's own ``validate_prompt`` accepts the example workflow;
@@ -23,25 +23,18 @@ import weakref
 import pytest
 import torch
 
+from _comfy_trees import comfyui_path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMFYUI_PATH = os.environ.get("COMFYUI_PATH", "")
+COMFYUI_PATH, _reason = comfyui_path()
 WORKFLOW = os.path.join(ROOT, "example_workflows", "flux1_dev_numba.json")
-
-
-def _comfy_skip_reason():
-    if not COMFYUI_PATH:
-        return "COMFYUI_PATH is not set (point it to a ComfyUI source tree to run these tests)"
-    if not os.path.isfile(os.path.join(COMFYUI_PATH, "main.py")):
-        return f"COMFYUI_PATH={COMFYUI_PATH} has no main.py"
-    return None
 
 
 # FLUX_NUMBA_REAL_GPU=1 with a CUDA GPU: models and kernels on the GPU (real numba, no simulator)
 DEVICE = torch.device("cuda" if os.environ.get("FLUX_NUMBA_REAL_GPU") == "1" and torch.cuda.is_available()
                       else "cpu")
 
-_reason = _comfy_skip_reason()
-pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+pytestmark = [pytest.mark.comfyui, pytest.mark.skipif(_reason is not None, reason=_reason or "")]
 
 
 @pytest.fixture(scope="module")
