@@ -66,7 +66,9 @@ def tiny_patcher(comfy, dtype=torch.float32, seed=0):
     mc = comfy.supported_models.Flux(cfg)
     mc.set_inference_dtype(dtype, None)
     bm = mc.get_model({}, device=DEVICE)
-    bm.diffusion_model.load_state_dict({k: v.to(dtype) for k, v in tiny_state_dict(seed).items()}, strict=True)
+    # through the model config's own key conversion, as ComfyUI's loader does (v0.33: q/k norm "scale" -> "weight")
+    sd = mc.process_unet_state_dict({k: v.to(dtype) for k, v in tiny_state_dict(seed).items()})
+    bm.diffusion_model.load_state_dict(sd, strict=True)
     return comfy.model_patcher.ModelPatcher(bm, load_device=DEVICE, offload_device=torch.device("cpu"))
 
 
@@ -482,8 +484,9 @@ def test_lora_weight_patches_apply_to_the_patched_model(comfy):
     latent = torch.zeros(1, 16, 8, 8)
     import comfy.utils as cu
     g = torch.Generator().manual_seed(5)
-    keys = ["diffusion_model.double_blocks.0.img_mlp.0.weight", "diffusion_model.single_blocks.1.linear1.weight",
-            "diffusion_model.double_blocks.1.txt_attn.norm.key_norm.scale"]
+    norm = "diffusion_model.double_blocks.1.txt_attn.norm.key_norm."
+    norm += "scale" if hasattr(mp.model.diffusion_model.double_blocks[1].txt_attn.norm.key_norm, "scale") else "weight"  # v0.33: weight
+    keys = ["diffusion_model.double_blocks.0.img_mlp.0.weight", "diffusion_model.single_blocks.1.linear1.weight", norm]
     patches = {}
     for k in keys:
         w = cu.get_attr(mp.model, k)
