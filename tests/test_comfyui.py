@@ -105,6 +105,12 @@ def patch_stats(mp):
     return stats(mp.model_options["transformer_options"]["flux_numba"]["id"])
 
 
+def assert_ran_patched(mp):
+    """The pack's blocks ran (a fallback to ComfyUI's block would make a stock-equality check vacuous)."""
+    st = patch_stats(mp)
+    assert st["calls"] > 0 and st["fallbacks"] == 0, st
+
+
 N_BLOCKS = 4  # TINY: 2 double + 2 single
 
 
@@ -302,6 +308,7 @@ def test_sdpa_honours_attention_override(comfy):
         return func(q, k, v, heads, *a, **kw)
     pm.model_options["transformer_options"]["optimized_attention_override"] = override
     out = forward(pm, inp)
+    assert_ran_patched(pm)
     assert len(seen) == N_BLOCKS and all(h == 4 and sr for _, h, sr in seen), seen
     assert torch.equal(out, ref)
 
@@ -449,6 +456,7 @@ def test_patch_composes_with_other_block_patches(comfy):
     assert len(seen) == 1
     assert torch.equal(out, ref)
     assert patch_stats(pm2)["calls"] == N_BLOCKS and patch_stats(pm)["calls"] == 0
+    assert_ran_patched(pm2)
     assert pm2.model_options["transformer_options"]["flux_numba"]["profile"] == "stock-order"
 
 
@@ -475,6 +483,8 @@ def test_cuda_graph_option(comfy, monkeypatch):
     if DEVICE.type != "cuda":
         assert w.last_mode == "eager: not a CUDA device"
     assert torch.equal(a, b)
+    assert_ran_patched(on)
+    assert_ran_patched(off)
 
 
 def test_lora_weight_patches_apply_to_the_patched_model(comfy):
@@ -498,5 +508,6 @@ def test_lora_weight_patches_apply_to_the_patched_model(comfy):
     assert rel_err(stock_lora, base) > 1e-3, "the weight patch must matter"
     pm, = Patch().patch(lora, backend="torch", profile="exact")
     got = _sample(pm, latent, 2)
+    assert_ran_patched(pm)
     assert torch.allclose(got, stock_lora, rtol=1e-5, atol=1e-5), rel_err(got, stock_lora)
     assert torch.equal(_sample(mp, latent, 2), base), "weights restored after sampling"

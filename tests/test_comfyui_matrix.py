@@ -62,4 +62,13 @@ def test_comfyui_tree(version):
     summary = _summary_line(out)
     RESULTS.append((f"v{version}", tree, summary, secs))
     print(f"ComfyUI v{version} ({tree}): {summary} [{secs:.0f} s]")
-    assert rc == 0, f"ComfyUI v{version} at {tree}: exit {rc}, {summary}\n--- tail of the run ---\n{out[-6000:]}"
+    assert rc == 0, f"ComfyUI v{version} at {tree}: exit {rc}, {summary}\n--- tail of the run ---\n{_tail(out)}"
+
+
+def _tail(out, n=6000):
+    """The last n characters, widened to start at pytest's short test summary when that is earlier."""
+    i = out.rfind("short test summary info")
+    start = max(len(out) - n, 0)
+    if 0 <= i < start:
+        start = max(i - 2000, 0)
+    return out[start:]
