@@ -31,3 +31,10 @@ sys.path.insert(0, ROOT)
 import _pack  # noqa: E402
 
 _pack.load()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per ComfyUI tree that test_comfyui_matrix ran (its inner pytest summary and time)."""
+    m = sys.modules.get("test_comfyui_matrix")
+    for label, tree, summary, secs in getattr(m, "RESULTS", ()):
+        terminalreporter.write_line(f"ComfyUI {label} ({tree}): {summary} [{secs:.0f} s]")

@@ -1,9 +1,9 @@
-"""Tests that run ComfyUI itself (v0.8.0 source tree at $COMFYUI_PATH, on CPU).
+"""Tests that run ComfyUI itself (a source tree at $COMFYUI_PATH, on CPU; v0.8.0 and v0.33.0 supported).
 
-Skipped unless COMFYUI_PATH points to a ComfyUI tree that imports.  Run with the venv that has
-ComfyUI's requirements::
+Marked ``comfyui``: tests/test_comfyui_matrix.py runs them once per tree found (see
+tests/_comfy_trees.py); skipped otherwise.  Direct use, with the venv that has ComfyUI's requirements::
 
-    COMFYUI_PATH=/work/main/.carry/ComfyUI /work/venv-comfy/bin/python -m pytest -q tests/test_comfyui.py
+    COMFYUI_PATH=.carry/ComfyUI-0.8.0 /work/venv-comfy/bin/python -m pytest -q tests/test_comfyui.py
 
 (a) the pack loads in ``main.py --quick-test-for-ci`` from a custom_nodes folder whose name ends in
     "numba" (the redirector trap), and ComfyUI's own ``validate_prompt`` accepts the example workflow;
@@ -23,25 +23,18 @@ import weakref
 import pytest
 import torch
 
+from _comfy_trees import comfyui_path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMFYUI_PATH = os.environ.get("COMFYUI_PATH", "")
+COMFYUI_PATH, _reason = comfyui_path()
 WORKFLOW = os.path.join(ROOT, "example_workflows", "flux1_dev_numba.json")
-
-
-def _comfy_skip_reason():
-    if not COMFYUI_PATH:
-        return "COMFYUI_PATH is not set (point it to a ComfyUI source tree to run these tests)"
-    if not os.path.isfile(os.path.join(COMFYUI_PATH, "main.py")):
-        return f"COMFYUI_PATH={COMFYUI_PATH} has no main.py"
-    return None
 
 
 # FLUX_NUMBA_REAL_GPU=1 with a CUDA GPU: models and kernels on the GPU (real numba, no simulator)
 DEVICE = torch.device("cuda" if os.environ.get("FLUX_NUMBA_REAL_GPU") == "1" and torch.cuda.is_available()
                       else "cpu")
 
-_reason = _comfy_skip_reason()
-pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+pytestmark = [pytest.mark.comfyui, pytest.mark.skipif(_reason is not None, reason=_reason or "")]
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +102,12 @@ def Patch():
 def patch_stats(mp):
     from flux_numba_pack.nodes.patch import stats
     return stats(mp.model_options["transformer_options"]["flux_numba"]["id"])
+
+
+def assert_ran_patched(mp):
+    """The pack's blocks ran (a fallback to ComfyUI's block would make a stock-equality check vacuous)."""
+    st = patch_stats(mp)
+    assert st["calls"] > 0 and st["fallbacks"] == 0, st
 
 
 N_BLOCKS = 4  # TINY: 2 double + 2 single
@@ -308,6 +307,7 @@ def test_sdpa_honours_attention_override(comfy):
         return func(q, k, v, heads, *a, **kw)
     pm.model_options["transformer_options"]["optimized_attention_override"] = override
     out = forward(pm, inp)
+    assert_ran_patched(pm)
     assert len(seen) == N_BLOCKS and all(h == 4 and sr for _, h, sr in seen), seen
     assert torch.equal(out, ref)
 
@@ -461,6 +461,7 @@ def test_patch_composes_with_other_block_patches(comfy):
     assert len(seen) == 1
     assert torch.equal(out, ref)
     assert patch_stats(pm2)["calls"] == N_BLOCKS and patch_stats(pm)["calls"] == 0
+    assert_ran_patched(pm2)
     assert pm2.model_options["transformer_options"]["flux_numba"]["profile"] == "stock-order"
 
 
@@ -487,6 +488,8 @@ def test_cuda_graph_option(comfy, monkeypatch):
     if DEVICE.type != "cuda":
         assert w.last_mode == "eager: not a CUDA device"
     assert torch.equal(a, b)
+    assert_ran_patched(on)
+    assert_ran_patched(off)
 
 
 def test_lora_weight_patches_apply_to_the_patched_model(comfy):
@@ -512,5 +515,6 @@ def test_lora_weight_patches_apply_to_the_patched_model(comfy):
     assert rel_err(stock_lora, base) > 1e-3, "the weight patch must matter"
     pm, = Patch().patch(lora, backend="torch", profile="exact")
     got = _sample(pm, latent, 2)
+    assert_ran_patched(pm)
     assert torch.allclose(got, stock_lora, rtol=1e-5, atol=1e-5), rel_err(got, stock_lora)
     assert torch.equal(_sample(mp, latent, 2), base), "weights restored after sampling"

@@ -8,8 +8,8 @@ detects as FLUX (hidden 3072, 1 double + 1 single block, written by ``run.py --w
 encoders (T5-XXL is 4.7 B parameters).  On CPU the patch runs with backend "torch" (the pack's
 block functions and fused op order on torch ops); the images must match the stock branch.
 
-Runs when COMFYUI_PATH points to a ComfyUI tree and COMFYUI_PYTHON (or the running python) can
-run it; skips with the reason otherwise.
+Marked ``comfyui``: runs once per ComfyUI tree from test_comfyui_matrix (or at COMFYUI_PATH) when
+COMFYUI_PYTHON (or the running python) can run it; skips with the reason otherwise.
 """
 import json
 import math
@@ -25,6 +25,8 @@ import uuid
 import pytest
 
 from test_browser import _comfy_path, _comfy_python, _get, running_comfyui
+
+pytestmark = pytest.mark.comfyui
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
@@ -152,6 +154,9 @@ def test_flux_graph_patched_matches_stock(server):
     assert a.std() > 1, "a random VAE still makes a non-constant image"
     log = open(server["log"]).read()
     assert "FluxNumbaPatch: 1 double + 1 single blocks" in log, log[-3000:]
+    # the pack's blocks ran: a fallback to ComfyUI's block (patch.py logs it) would make the PSNR check vacuous
+    fb = [ln for ln in log.splitlines() if "running ComfyUI's original block instead" in ln]
+    assert not fb, fb
     text = json.dumps(outs["report"])
     assert "patched" in text and "stock" in text, text[:2000]
     (chart,) = outs["save_report"]["images"]  # the timing chart is saved with the outputs

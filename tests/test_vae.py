@@ -1,7 +1,8 @@
 """groupnorm_silu (Numba, simulator-sized shapes) and the FluxNumbaVAEPatch node.
 
-The decoder-level test needs ComfyUI: COMFYUI_PATH -> a ComfyUI tree, run with an interpreter that
-can import it (e.g. /work/venv-comfy/bin/python -m pytest tests/test_vae.py); otherwise it skips.
+The decoder-level test needs ComfyUI (marked ``comfyui``): tests/test_comfyui_matrix.py runs it once
+per ComfyUI tree; directly: COMFYUI_PATH -> a ComfyUI tree, with an interpreter that can import it
+(e.g. /work/venv-comfy/bin/python -m pytest tests/test_vae.py); otherwise it skips.
 """
 import importlib
 import math
@@ -14,6 +15,7 @@ import torch
 
 from flux_numba_pack.cuda_kernels import registry, runtime
 from flux_numba_pack.cuda_kernels import groupnorm_silu as gn
+from _comfy_trees import comfyui_path
 
 DEV = "cpu" if runtime.SIMULATOR else "cuda"
 
@@ -172,9 +174,9 @@ def test_node_schema_without_comfyui():
 
 # ------------------------------------------------------------------ decoder level (ComfyUI)
 def _comfy():
-    p = os.environ.get("COMFYUI_PATH")
-    if not p:
-        pytest.skip("COMFYUI_PATH is not set (point it at a ComfyUI tree; run with an interpreter that has its deps)")
+    p, why = comfyui_path()
+    if why:
+        pytest.skip(why)
     if not os.path.isdir(os.path.join(p, "comfy")):
         pytest.skip(f"COMFYUI_PATH={p} has no comfy/ package")
     if p not in sys.path:
@@ -205,6 +207,7 @@ def _small_decoder(M, dtype):
     return dec.eval().to(DEV, dtype)
 
 
+@pytest.mark.comfyui
 def test_decoder_patched_matches_stock(strict):
     M = _comfy()
     import comfy.model_patcher

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Build one venv that runs every ComfyUI tree given (CPU), for tests/test_comfyui_matrix.py:
+#   bash tests/comfy_venv.sh VENV TREE [TREE...]      e.g. /work/venv-comfy .carry/ComfyUI-*
+# torch/torchvision pinned (TORCH, TORCHVISION), torchaudio from the newest release that accepts
+# them (TORCHAUDIO: ComfyUI v0.33's comfy.sd imports it), then the union of the trees'
+# requirements.txt (a package named in several: the last tree's line), comfy-aimdo, blake3,
+# simpleeval, the pack's requirements.txt and pytest.  Then COMFYUI_PYTHON=VENV/bin/python.
+set -euo pipefail
+venv=$1; shift
+[ $# -ge 1 ] || { echo "usage: $0 VENV TREE [TREE...]" >&2; exit 2; }
+root="$(cd "$(dirname "$0")/.." && pwd)"
+TORCH=${TORCH:-2.14.1}; TORCHVISION=${TORCHVISION:-0.29.1}; TORCHAUDIO=${TORCHAUDIO:-2.11.1}
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+pin=$(mktemp); req=$(mktemp); trap 'rm -f "$pin" "$req"' EXIT
+printf 'torch==%s\ntorchvision==%s\n' "$TORCH" "$TORCHVISION" > "$pin"
+"$venv/bin/pip" install -c "$pin" "torch==$TORCH" "torchvision==$TORCHVISION"
+"$venv/bin/pip" install -c "$pin" "torchaudio==$TORCHAUDIO"
+"$venv/bin/python" - "$@" > "$req" <<'PYEOF'
+import re, sys
+lines = {}
+for tree in sys.argv[1:]:
+    for ln in open(f"{tree}/requirements.txt"):
+        ln = ln.split("#")[0].strip()
+        if not ln:
+            continue
+        name = re.split(r"[<>=~!\[ ;]", ln, 1)[0].lower().replace("_", "-")
+        if name not in ("torch", "torchvision", "torchaudio"):
+            lines[name] = ln
+for extra in ("comfy-aimdo", "blake3", "simpleeval>=1.0.0"):
+    lines.setdefault(re.split(r"[<>=]", extra, 1)[0], extra)
+print("\n".join(lines.values()))
+PYEOF
+"$venv/bin/pip" install -c "$pin" -r "$req" -r "$root/requirements.txt" pytest
+for tree in "$@"; do
+  (cd "$tree" && "$venv/bin/python" -c "import sys; sys.argv=['x','--cpu']; sys.path.insert(0,'.'); import comfy.options; comfy.options.enable_args_parsing(); import comfy.model_management, comfy.sd" >/dev/null 2>&1) \
+    && echo "ok: $tree imports with $venv/bin/python" || { echo "FAILED: $tree does not import with $venv/bin/python" >&2; exit 1; }
+done
