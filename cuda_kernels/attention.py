@@ -130,7 +130,6 @@ registry.register(OP, reference, doc=__doc__)
 import math
 import math as _math
 import os
-import re
 
 from . import runtime as _rt
 
@@ -363,677 +362,6 @@ def _make_kernel(D, has_mask, NW=_NW):
     return kern
 
 
-def _make_kernel32(D, has_mask, NW=4, BN=None, LAZY=1):
-    """Variants ``w32*`` (FA2's tiling): every warp owns 32 query rows (two m16 tiles), so each
-    K / V fragment fetched by ldmatrix feeds 4 mma.m16n8k16 instead of 2 -- 128 B of shared-memory
-    reads per mma instead of 256 (ldmatrix.x4 = 512 B per warp).  Block = NW warps = 32 * NW rows.
-    KV tiles of BN keys (32 at D > 64 so that O 2*D/2 + Q 2*D/4 + S BN fp32 fit in 255 registers:
-    224 at D=128; 64 at D <= 64) in a 2-stage cp.async ring [K0 | K1 | V0 | V1]: tile j+1 loads
-    while tile j computes, one barrier per tile.  Q is staged through the ring (in passes of 4*BN
-    rows when BM is larger) into A fragments in registers."""
-    RPW = 32
-    if BN is None:
-        BN = 64 if D <= 64 else 32
-    BM = RPW * NW
-    NTH = NW * 32
-    DW = D // 2            # 32-bit words per row
-    RW = DW + 4            # padded shared row (words): conflict-free ldmatrix
-    CH = DW // 4           # 16-byte chunks per row
-    NCHUNK = BN * CH
-    LOADS = (NCHUNK + NTH - 1) // NTH
-    KT = D // 16
-    NT = BN // 8
-    NP = NT // 2
-    DT = D // 8
-    DP = DT // 2
-    PT = BN // 16
-    TILE = BN * RW         # words per stage
-    RING = 4 * TILE
-    RSTEP = NTH // CH if NTH % CH == 0 else 0   # rows per load step (fast load path)
-    QCAP = 4 * BN          # rows the ring holds when Q is staged through it
-    QPASS = (BM + QCAP - 1) // QCAP
-    QROWS = min(BM, QCAP)
-    QCHUNK = QROWS * CH
-    QLOADS = (QCHUNK + NTH - 1) // NTH
-    QF = KT * 4            # A fragment registers per m-tile
-    NACC = DT * 4          # O accumulators per m-tile
-    NS = NT * 4            # S accumulators per m-tile
-    QF2, NACC2, NS2 = 2 * QF, 2 * NACC, 2 * NS
-    SCRW = _mma.SCR_WORDS
-    SCRF = _mma.SCRF_WORDS
-    LOG2E = float32(_LOG2E)
-    MASK_FLOOR = float32(-1e30)
-    NEG = float32(-3e38)
-    HAS_MASK = has_mask
-    mma_bf16, ldsm_x4, ldsm_x4_t = _mma.mma_bf16, _mma.ldsm_x4, _mma.ldsm_x4_t
-    cp_async16, cp_commit, cp_wait0 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0
-    quad_max, quad_sum, pack_bf16 = _mma.quad_max, _mma.quad_sum, _mma.pack_bf16
-    assert D % 16 == 0 and BN % 16 == 0 and QCAP % RPW == 0 and NTH <= _mma.MAX_THREADS
-
-    @cuda.jit(device=True, inline=True)
-    def load_rows(sm, sbase, g, gbase, gstride, r0, L, tid, nload, nchunk):
-        if RSTEP > 0 and nchunk % NTH == 0:   # every thread: one fixed chunk column, rows tid//CH + i*RSTEP
-            trow = tid // CH
-            cc4 = (tid - trow * CH) * 4
-            sb = sbase + (trow * RW + cc4) * 4
-            for i in range(nload):
-                row = r0 + trow + i * RSTEP
-                nb = 16 if row < L else 0
-                row = min(row, L - 1)
-                cp_async16(sm, sb + i * (RSTEP * RW * 4), g, gbase + row * gstride + cc4, nb)
-        else:
-            for i in range(nload):
-                c = i * NTH + tid
-                if c < nchunk:
-                    r = c // CH
-                    cc = c - r * CH
-                    row = r0 + r
-                    nb = 16 if row < L else 0
-                    row = min(row, L - 1)
-                    cp_async16(sm, sbase + (r * RW + cc * 4) * 4, g, gbase + row * gstride + cc * 4, nb)
-
-    @cuda.jit(fastmath=True)
-    def kern(q, k, v, o, mask, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1,
-             ms0, ms1, ms2, L, H, sl2):
-        sm = cuda.shared.array(RING, int32, alignment=SMEM_ALIGN)  # K0 | K1 | V0 | V1
-        scr = cuda.shared.array(SCRW, int32)
-        scrf = cuda.shared.array(SCRF, float32)
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        g = lane // 4
-        t = lane % 4
-        l8 = lane % 8
-        j8 = lane // 8
-        bh = cuda.blockIdx.y
-        b = bh // H
-        h = bh - b * H
-        m0 = cuda.blockIdx.x * BM
-        sl = float32(sl2)
-        es = float32(1) if HAS_MASK else sl
-        kb = _mma.smem_base(sm)
-        qbase = b * qs0 + h * qs1
-        kbase = b * ks0 + h * ks1
-        vbase = b * vs0 + h * vs1
-        wrow = warp * RPW                  # this warp's first row in the block
-        qsel = wrow // QCAP                # the Q staging pass holding this warp's rows
-        qrow = wrow - qsel * QCAP
-        qaddr = kb + ((qrow + l8 + 8 * (j8 % 2)) * RW + 4 * (j8 // 2)) * 4
-        kaddr = kb + ((l8 + 8 * (j8 // 2)) * RW + 4 * (j8 % 2)) * 4
-        vaddr = kb + 2 * TILE * 4 + ((l8 + 8 * (j8 % 2)) * RW + 4 * (j8 // 2)) * 4
-
-        # ---- Q (BM rows) -> ring -> A fragments (2 m-tiles per warp) in registers
-        qf = cuda.local.array(QF2, int32)
-        for p in range(QPASS):
-            if p > 0:
-                cuda.syncthreads()
-            load_rows(sm, kb, q, qbase, qs2, m0 + p * QCAP, L, tid, QLOADS, QCHUNK)
-            cp_commit()
-            cp_wait0()
-            cuda.syncthreads()
-            for mi in range(2):
-                for kk in range(KT):   # every warp reads (block-uniform); keeps its own pass
-                    a0, a1, a2, a3 = ldsm_x4(sm, qaddr + (mi * 16 * RW + kk * 8) * 4, scr)
-                    if QPASS == 1 or qsel == p:
-                        qf[mi * QF + kk * 4 + 0] = a0
-                        qf[mi * QF + kk * 4 + 1] = a1
-                        qf[mi * QF + kk * 4 + 2] = a2
-                        qf[mi * QF + kk * 4 + 3] = a3
-        cuda.syncthreads()
-        load_rows(sm, kb, k, kbase, ks2, 0, L, tid, LOADS, NCHUNK)
-        load_rows(sm, kb + 2 * TILE * 4, v, vbase, vs2, 0, L, tid, LOADS, NCHUNK)
-        cp_commit()
-
-        acc = cuda.local.array(NACC2, float32)
-        for i in range(2 * NACC):
-            acc[i] = float32(0)
-        s = cuda.local.array(NS2, float32)
-        mr = cuda.local.array(4, float32)
-        lr = cuda.local.array(4, float32)
-        for r in range(4):
-            mr[r] = NEG
-            lr[r] = float32(0)
-        rowb = m0 + wrow + g               # row of (m-tile mi, half hf) = rowb + 16 mi + 8 hf
-        ntiles = (L + BN - 1) // BN
-        for j in range(ntiles):
-            n0 = j * BN
-            st = j % 2
-            cp_wait0()
-            cuda.syncthreads()          # tile j landed; every warp is done with tile j-1's stage
-            if j + 1 < ntiles:
-                load_rows(sm, kb + (1 - st) * TILE * 4, k, kbase, ks2, n0 + BN, L, tid, LOADS, NCHUNK)
-                load_rows(sm, kb + (3 - st) * TILE * 4, v, vbase, vs2, n0 + BN, L, tid, LOADS, NCHUNK)
-            cp_commit()
-            koff = st * (TILE * 4)
-            # ---- S = Q K^T (32 x BN per warp): one K fragment -> 4 mma
-            for i in range(2 * NS):
-                s[i] = float32(0)
-            for kk in range(KT):
-                for npi in range(NP):
-                    b0, b1, b2, b3 = ldsm_x4(sm, kaddr + koff + (npi * 16 * RW + kk * 8) * 4, scr)
-                    for mi in range(2):
-                        n = mi * NS + npi * 8
-                        c = mi * QF + kk * 4
-                        s[n + 0], s[n + 1], s[n + 2], s[n + 3] = mma_bf16(
-                            qf[c], qf[c + 1], qf[c + 2], qf[c + 3], b0, b1,
-                            s[n + 0], s[n + 1], s[n + 2], s[n + 3], scr)
-                        s[n + 4], s[n + 5], s[n + 6], s[n + 7] = mma_bf16(
-                            qf[c], qf[c + 1], qf[c + 2], qf[c + 3], b2, b3,
-                            s[n + 4], s[n + 5], s[n + 6], s[n + 7], scr)
-
-            # ---- online softmax (base 2), rows r = 2 mi + hf
-            if HAS_MASK:
-                for i in range(2 * NS):
-                    s[i] = s[i] * sl
-                for mi in range(2):
-                    for nt in range(NT):
-                        for e in range(4):
-                            col = n0 + nt * 8 + 2 * t + (e % 2)
-                            row = rowb + 16 * mi + 8 * (e // 2)
-                            if row < L and col < L:
-                                mv = mask[b * ms0 + h * ms1 + row * ms2 + col] * LOG2E
-                                s[mi * NS + nt * 4 + e] += max(mv, MASK_FLOOR)
-            if n0 + BN > L:
-                for i in range(2 * NS):
-                    if n0 + ((i % NS) // 4) * 8 + 2 * t + (i % 2) >= L:
-                        s[i] = NEG
-            for r in range(4):
-                mi = r // 2
-                hf = r % 2
-                x = NEG
-                for nt in range(NT):
-                    x = max(x, max(s[mi * NS + nt * 4 + 2 * hf], s[mi * NS + nt * 4 + 2 * hf + 1]))
-                x = quad_max(x, scrf)
-                x = max(x, mr[r])
-                al = _math.exp2((mr[r] - x) * es)
-                mr[r] = x
-                y = x * es
-                ps = float32(0)
-                for nt in range(NT):
-                    for e in range(2):
-                        i = mi * NS + nt * 4 + 2 * hf + e
-                        pv = _math.exp2(s[i] * es - y)
-                        s[i] = pv
-                        ps += pv
-                lr[r] = lr[r] * al + ps
-                if LAZY == 0 or al < float32(1):   # exact: al == 1 when the row max did not move
-                    for nt in range(DT):
-                        acc[mi * NACC + nt * 4 + 2 * hf] *= al
-                        acc[mi * NACC + nt * 4 + 2 * hf + 1] *= al
-
-            # ---- O += P V: one V fragment -> 4 mma
-            voff = st * (TILE * 4)
-            for kk in range(PT):
-                c = kk * 8
-                p0 = pack_bf16(s[c + 0], s[c + 1])
-                p1 = pack_bf16(s[c + 2], s[c + 3])
-                p2 = pack_bf16(s[c + 4], s[c + 5])
-                p3 = pack_bf16(s[c + 6], s[c + 7])
-                p4 = pack_bf16(s[NS + c + 0], s[NS + c + 1])
-                p5 = pack_bf16(s[NS + c + 2], s[NS + c + 3])
-                p6 = pack_bf16(s[NS + c + 4], s[NS + c + 5])
-                p7 = pack_bf16(s[NS + c + 6], s[NS + c + 7])
-                for dp in range(DP):
-                    b0, b1, b2, b3 = ldsm_x4_t(sm, vaddr + voff + (kk * 16 * RW + dp * 8) * 4, scr)
-                    n = dp * 8
-                    acc[n + 0], acc[n + 1], acc[n + 2], acc[n + 3] = mma_bf16(
-                        p0, p1, p2, p3, b0, b1, acc[n + 0], acc[n + 1], acc[n + 2], acc[n + 3], scr)
-                    acc[n + 4], acc[n + 5], acc[n + 6], acc[n + 7] = mma_bf16(
-                        p0, p1, p2, p3, b2, b3, acc[n + 4], acc[n + 5], acc[n + 6], acc[n + 7], scr)
-                    n = NACC + dp * 8
-                    acc[n + 0], acc[n + 1], acc[n + 2], acc[n + 3] = mma_bf16(
-                        p4, p5, p6, p7, b0, b1, acc[n + 0], acc[n + 1], acc[n + 2], acc[n + 3], scr)
-                    acc[n + 4], acc[n + 5], acc[n + 6], acc[n + 7] = mma_bf16(
-                        p4, p5, p6, p7, b2, b3, acc[n + 4], acc[n + 5], acc[n + 6], acc[n + 7], scr)
-
-        obase = b * os0 + h * DW + t
-        for r in range(4):
-            mi = r // 2
-            hf = r % 2
-            ls = quad_sum(lr[r], scrf)
-            inv = float32(1) / ls
-            row = rowb + 16 * mi + 8 * hf
-            if row < L:
-                for nt in range(DT):
-                    a = mi * NACC + nt * 4 + 2 * hf
-                    o[obase + row * os1 + nt * 4] = pack_bf16(acc[a] * inv, acc[a + 1] * inv)
-
-    return kern
-
-
-def _make_kernel_wg(D, has_mask, NWG=1, maxreg=None):
-    """Hopper variant ``wg``: one warpgroup (4 warps, 64 query rows) per block; S = Q K^T with
-    wgmma m64n64k16 (Q in registers as A fragments, K from shared memory through a descriptor),
-    O += P V with wgmma m64n{D}k16 (P in registers, V MN-major through a descriptor).  K / V tiles
-    are stored in the no-swizzle "core matrix" layout: 16-byte chunk (row r, chunk c) at byte
-    (r // 8) * GB + c * 128 + (r % 8) * 16, GB = D / 8 * 128 -- each 8 x 16-byte core matrix is
-    128 contiguous bytes (conflict-free for wgmma, ldmatrix and the cp.async writes).
-    K-major K: LBO = 128 (next chunk along d), SBO = GB (next 8 keys).  MN-major V: LBO = GB (next
-    8 keys, the k dimension), SBO = 128 (next 8 d).  Registers: S 32 + O D/2 + Q D/4 fragments."""
-    BM = 64 * NWG         # NWG warpgroups share each K / V tile
-    BN = 64
-    NTH = 128 * NWG
-    CH = D // 8
-    GB = CH * 128
-    TILEB = BN * D * 2
-    TW = TILEB // 4
-    TW2 = 2 * TW
-    LOADS = BN * CH // NTH
-    QLOADS = BM * CH // NTH
-    KT = D // 16
-    NT = BN // 8
-    NS = NT * 4
-    DT = D // 8
-    NACC = D // 2
-    PT = BN // 16
-    QF = KT * 4
-    SCRW = _mma.SCR_WORDS
-    SCRF = _mma.SCRF_WORDS
-    LOG2E = float32(_LOG2E)
-    MASK_FLOOR = float32(-1e30)
-    NEG = float32(-3e38)
-    HAS_MASK = has_mask
-    DK_HI = ((128 >> 4) << 16) | ((GB >> 4) << 32)   # K: LBO 128, SBO GB
-    DV_HI = ((GB >> 4) << 16) | ((128 >> 4) << 32)   # V: LBO GB, SBO 128
-    wg_qk = _mma.wgmma_op(BN, 0)
-    wg_pv = _mma.wgmma_op(D, 1)
-    wg_fence, wg_commit, wg_wait0, fence_async = _mma.wg_fence, _mma.wg_commit, _mma.wg_wait0, _mma.fence_proxy_async
-    ldsm_x4 = _mma.ldsm_x4
-    cp_async16, cp_commit, cp_wait0, cp_wait1 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0, _mma.cp_wait1
-    quad_max, quad_sum, pack_bf16 = _mma.quad_max, _mma.quad_sum, _mma.pack_bf16
-    assert (BN * CH) % NTH == 0 and D % 16 == 0 and BM <= 2 * BN
-
-    @cuda.jit(device=True, inline=True)
-    def load_tile(sm, sbase, g, gbase, gstride, r0, L, tid, NLOAD):
-        for i in range(NLOAD):
-            c = i * NTH + tid
-            r8 = c % 8
-            rest = c // 8
-            cc = rest % CH
-            grp = rest // CH
-            row = r0 + grp * 8 + r8
-            nb = 16
-            if row >= L:
-                row = L - 1
-                nb = 0
-            cp_async16(sm, sbase + grp * GB + cc * 128 + r8 * 16, g, gbase + row * gstride + cc * 4, nb)
-
-    JIT = {} if (maxreg is None or _rt.SIMULATOR) else {"max_registers": maxreg}
-
-    @cuda.jit(fastmath=True, **JIT)
-    def kern(q, k, v, o, mask, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1,
-             ms0, ms1, ms2, L, H, sl2):
-        sm = cuda.shared.array(TW2, int32, alignment=SMEM_ALIGN_WG)   # K tile | V tile
-        scr = cuda.shared.array(SCRW, int32)
-        scrf = cuda.shared.array(SCRF, float32)
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        g = lane // 4
-        t = lane % 4
-        l8 = lane % 8
-        j8 = lane // 8
-        bh = cuda.blockIdx.y
-        b = bh // H
-        h = bh - b * H
-        m0 = cuda.blockIdx.x * BM
-        sl = float32(sl2)
-        es = float32(1) if HAS_MASK else sl
-        kb = _mma.smem_base(sm)
-        vb = kb + TILEB
-        qaddr = kb + (warp * 2 + j8 % 2) * GB + (j8 // 2) * 128 + l8 * 16
-        dk = DK_HI | (int64(kb) >> 4)
-        dv = DV_HI | (int64(vb) >> 4)
-        qbase = b * qs0 + h * qs1
-        kbase = b * ks0 + h * ks1
-        vbase = b * vs0 + h * vs1
-
-        load_tile(sm, kb, q, qbase, qs2, m0, L, tid, QLOADS)   # Q (BM rows) staged over K | V
-        cp_commit()
-        cp_wait0()
-        cuda.syncthreads()
-        qf = cuda.local.array(QF, int32)
-        for kk in range(KT):
-            a0, a1, a2, a3 = ldsm_x4(sm, qaddr + kk * 256, scr)
-            qf[kk * 4 + 0] = a0
-            qf[kk * 4 + 1] = a1
-            qf[kk * 4 + 2] = a2
-            qf[kk * 4 + 3] = a3
-        cuda.syncthreads()
-        load_tile(sm, kb, k, kbase, ks2, 0, L, tid, LOADS)
-        cp_commit()
-
-        acc = cuda.local.array(NACC, float32)
-        for i in range(NACC):
-            acc[i] = float32(0)
-        s = cuda.local.array(NS, float32)
-        pr = cuda.local.array(16, int32)
-        mr0 = NEG
-        mr1 = NEG
-        lr0 = float32(0)
-        lr1 = float32(0)
-        row0 = m0 + warp * 16 + g
-        row1 = row0 + 8
-        ntiles = (L + BN - 1) // BN
-        for j in range(ntiles):
-            n0 = j * BN
-            load_tile(sm, vb, v, vbase, vs2, n0, L, tid, LOADS)
-            cp_commit()
-            cp_wait1()
-            fence_async()
-            cuda.syncthreads()
-            # ---- S = Q K^T: 64 x 64 per warpgroup, k-steps of 16 (descriptor advances 2 chunks)
-            wg_fence()
-            for kk in range(KT):
-                wg_qk(s, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3],
-                      dk + kk * 16, kk, sm, scr)
-            wg_commit()
-            wg_wait0()
-            cuda.syncthreads()
-            if j + 1 < ntiles:
-                load_tile(sm, kb, k, kbase, ks2, n0 + BN, L, tid, LOADS)
-            cp_commit()
-
-            if HAS_MASK:
-                for i in range(NS):
-                    s[i] = s[i] * sl
-                for nt in range(NT):
-                    for e in range(4):
-                        col = n0 + nt * 8 + 2 * t + (e % 2)
-                        row = row0 + 8 * (e // 2)
-                        if row < L and col < L:
-                            mv = mask[b * ms0 + h * ms1 + row * ms2 + col] * LOG2E
-                            s[nt * 4 + e] += max(mv, MASK_FLOOR)
-            if n0 + BN > L:
-                for nt in range(NT):
-                    for e in range(4):
-                        if n0 + nt * 8 + 2 * t + (e % 2) >= L:
-                            s[nt * 4 + e] = NEG
-            x0 = NEG
-            x1 = NEG
-            for nt in range(NT):
-                x0 = max(x0, max(s[nt * 4 + 0], s[nt * 4 + 1]))
-                x1 = max(x1, max(s[nt * 4 + 2], s[nt * 4 + 3]))
-            x0 = quad_max(x0, scrf)
-            x1 = quad_max(x1, scrf)
-            x0 = max(x0, mr0)
-            x1 = max(x1, mr1)
-            al0 = _math.exp2((mr0 - x0) * es)
-            al1 = _math.exp2((mr1 - x1) * es)
-            mr0 = x0
-            mr1 = x1
-            y0 = x0 * es
-            y1 = x1 * es
-            ps0 = float32(0)
-            ps1 = float32(0)
-            for nt in range(NT):
-                p = _math.exp2(s[nt * 4 + 0] * es - y0)
-                s[nt * 4 + 0] = p
-                ps0 += p
-                p = _math.exp2(s[nt * 4 + 1] * es - y0)
-                s[nt * 4 + 1] = p
-                ps0 += p
-                p = _math.exp2(s[nt * 4 + 2] * es - y1)
-                s[nt * 4 + 2] = p
-                ps1 += p
-                p = _math.exp2(s[nt * 4 + 3] * es - y1)
-                s[nt * 4 + 3] = p
-                ps1 += p
-            lr0 = lr0 * al0 + ps0
-            lr1 = lr1 * al1 + ps1
-            for nt in range(DT):
-                acc[nt * 4 + 0] *= al0
-                acc[nt * 4 + 1] *= al0
-                acc[nt * 4 + 2] *= al1
-                acc[nt * 4 + 3] *= al1
-            for i in range(PT * 4):
-                pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
-
-            # ---- O += P V
-            cp_wait1()
-            fence_async()
-            cuda.syncthreads()
-            wg_fence()
-            for kk in range(PT):
-                wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
-                      dv + kk * (2 * GB // 16), 1, sm, scr)
-            wg_commit()
-            wg_wait0()
-            cuda.syncthreads()
-
-        lr0 = quad_sum(lr0, scrf)
-        lr1 = quad_sum(lr1, scrf)
-        inv0 = float32(1) / lr0
-        inv1 = float32(1) / lr1
-        obase = b * os0 + h * (D // 2) + t
-        if row0 < L:
-            for nt in range(DT):
-                o[obase + row0 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 0] * inv0, acc[nt * 4 + 1] * inv0)
-        if row1 < L:
-            for nt in range(DT):
-                o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
-
-    return kern
-
-
-def _make_kernel_wgp(D, has_mask, NWG=1, STAGES=3, maxreg=None, BN=32):
-    """Hopper variants ``wgp*``: the wg kernel (wgmma, 64 query rows per warpgroup, Q / P in
-    registers, K / V through no-swizzle descriptors) with a STAGES-deep cp.async ring of BN-key
-    K|V tiles (tile j + STAGES - 1 loads while tile j computes; one barrier per tile) -- wg's
-    single K and V buffers left every K / V load's latency exposed.  BN=32: S m64n32k16, O
-    m64n{D}k16 x 2 per tile; 16 KB per stage at D=128, 3 stages = exactly 48 KB (the simulator
-    scratch arrays are 0-size dynamic arrays on the GPU so that they take no static space)."""
-    BM = 64 * NWG
-    NTH = 128 * NWG
-    CH = D // 8
-    GB = CH * 128                 # bytes per 8-row core-matrix group
-    TB = BN * D * 2               # bytes per K (or V) tile
-    SB = 2 * TB                   # bytes per stage (K | V)
-    RINGW = STAGES * SB // 4
-    LOADS = BN * CH // NTH
-    QLOADS = BM * CH // NTH
-    KT = D // 16
-    NT = BN // 8
-    NS = NT * 4
-    DT = D // 8
-    NACC = D // 2
-    PT = BN // 16
-    PR = PT * 4
-    QF = KT * 4
-    SCRW = _mma.SCR_WORDS if _rt.SIMULATOR else 0
-    SCRF = _mma.SCRF_WORDS if _rt.SIMULATOR else 0
-    LOG2E = float32(_LOG2E)
-    MASK_FLOOR = float32(-1e30)
-    NEG = float32(-3e38)
-    HAS_MASK = has_mask
-    DK_HI = ((128 >> 4) << 16) | ((GB >> 4) << 32)   # K: LBO 128, SBO GB
-    DV_HI = ((GB >> 4) << 16) | ((128 >> 4) << 32)   # V: LBO GB, SBO 128
-    wg_qk = _mma.wgmma_op(BN, 0)
-    wg_pv = _mma.wgmma_op(D, 1)
-    wg_fence, wg_commit, wg_wait0, fence_async = _mma.wg_fence, _mma.wg_commit, _mma.wg_wait0, _mma.fence_proxy_async
-    ldsm_x4 = _mma.ldsm_x4
-    cp_async16, cp_commit, cp_wait0, cp_wait1 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0, _mma.cp_wait1
-    quad_max, quad_sum, pack_bf16 = _mma.quad_max, _mma.quad_sum, _mma.pack_bf16
-    assert (BN * CH) % NTH == 0 and (BM * CH) % NTH == 0 and D % 16 == 0 and BN % 16 == 0
-    assert STAGES in (2, 3) and BM * D * 2 <= STAGES * SB and STAGES * SB <= 48 * 1024
-
-    @cuda.jit(device=True, inline=True)
-    def load_tile(sm, sbase, g, gbase, gstride, r0, L, tid, NLOAD):
-        for i in range(NLOAD):
-            c = i * NTH + tid
-            r8 = c % 8
-            rest = c // 8
-            cc = rest % CH
-            grp = rest // CH
-            row = r0 + grp * 8 + r8
-            nb = 16 if row < L else 0
-            row = min(row, L - 1)
-            cp_async16(sm, sbase + grp * GB + cc * 128 + r8 * 16, g, gbase + row * gstride + cc * 4, nb)
-
-    JIT = {} if (maxreg is None or _rt.SIMULATOR) else {"max_registers": maxreg}
-
-    @cuda.jit(fastmath=True, **JIT)
-    def kern(q, k, v, o, mask, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1,
-             ms0, ms1, ms2, L, H, sl2):
-        sm = cuda.shared.array(RINGW, int32, alignment=SMEM_ALIGN_WG)   # STAGES x (K tile | V tile)
-        scr = cuda.shared.array(SCRW, int32)
-        scrf = cuda.shared.array(SCRF, float32)
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        g = lane // 4
-        t = lane % 4
-        l8 = lane % 8
-        j8 = lane // 8
-        bh = cuda.blockIdx.y
-        b = bh // H
-        h = bh - b * H
-        m0 = cuda.blockIdx.x * BM
-        sl = float32(sl2)
-        es = float32(1) if HAS_MASK else sl
-        kb = _mma.smem_base(sm)
-        qaddr = kb + (warp * 2 + j8 % 2) * GB + (j8 // 2) * 128 + l8 * 16
-        qbase = b * qs0 + h * qs1
-        kbase = b * ks0 + h * ks1
-        vbase = b * vs0 + h * vs1
-
-        load_tile(sm, kb, q, qbase, qs2, m0, L, tid, QLOADS)   # Q (BM rows) staged over the ring
-        cp_commit()
-        cp_wait0()
-        cuda.syncthreads()
-        qf = cuda.local.array(QF, int32)
-        for kk in range(KT):
-            a0, a1, a2, a3 = ldsm_x4(sm, qaddr + kk * 256, scr)
-            qf[kk * 4 + 0] = a0
-            qf[kk * 4 + 1] = a1
-            qf[kk * 4 + 2] = a2
-            qf[kk * 4 + 3] = a3
-        cuda.syncthreads()
-        ntiles = (L + BN - 1) // BN
-        for p in range(STAGES - 1):
-            if p < ntiles:
-                load_tile(sm, kb + p * SB, k, kbase, ks2, p * BN, L, tid, LOADS)
-                load_tile(sm, kb + p * SB + TB, v, vbase, vs2, p * BN, L, tid, LOADS)
-            cp_commit()
-
-        acc = cuda.local.array(NACC, float32)
-        for i in range(NACC):
-            acc[i] = float32(0)
-        s = cuda.local.array(NS, float32)
-        pr = cuda.local.array(PR, int32)
-        mr0 = NEG
-        mr1 = NEG
-        lr0 = float32(0)
-        lr1 = float32(0)
-        row0 = m0 + warp * 16 + g
-        row1 = row0 + 8
-        for j in range(ntiles):
-            n0 = j * BN
-            st = j % STAGES
-            if STAGES == 3:
-                cp_wait1()                 # tile j landed (tile j+1 may be in flight)
-            else:
-                cp_wait0()
-            fence_async()
-            cuda.syncthreads()             # ... for every thread; stage (j-1) % STAGES is free
-            jn = j + STAGES - 1
-            if jn < ntiles:
-                sn = jn % STAGES
-                load_tile(sm, kb + sn * SB, k, kbase, ks2, jn * BN, L, tid, LOADS)
-                load_tile(sm, kb + sn * SB + TB, v, vbase, vs2, jn * BN, L, tid, LOADS)
-            cp_commit()
-            sbase = kb + st * SB
-            dk = DK_HI | (int64(sbase) >> 4)
-            dv = DV_HI | (int64(sbase + TB) >> 4)
-            # ---- S = Q K^T: 64 x BN per warpgroup
-            wg_fence()
-            for kk in range(KT):
-                wg_qk(s, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3],
-                      dk + kk * 16, kk, sm, scr)
-            wg_commit()
-            wg_wait0()
-
-            if HAS_MASK:
-                for i in range(NS):
-                    s[i] = s[i] * sl
-                for nt in range(NT):
-                    for e in range(4):
-                        col = n0 + nt * 8 + 2 * t + (e % 2)
-                        row = row0 + 8 * (e // 2)
-                        if row < L and col < L:
-                            mv = mask[b * ms0 + h * ms1 + row * ms2 + col] * LOG2E
-                            s[nt * 4 + e] += max(mv, MASK_FLOOR)
-            if n0 + BN > L:
-                for nt in range(NT):
-                    for e in range(4):
-                        if n0 + nt * 8 + 2 * t + (e % 2) >= L:
-                            s[nt * 4 + e] = NEG
-            x0 = NEG
-            x1 = NEG
-            for nt in range(NT):
-                x0 = max(x0, max(s[nt * 4 + 0], s[nt * 4 + 1]))
-                x1 = max(x1, max(s[nt * 4 + 2], s[nt * 4 + 3]))
-            x0 = quad_max(x0, scrf)
-            x1 = quad_max(x1, scrf)
-            x0 = max(x0, mr0)
-            x1 = max(x1, mr1)
-            al0 = _math.exp2((mr0 - x0) * es)
-            al1 = _math.exp2((mr1 - x1) * es)
-            mr0 = x0
-            mr1 = x1
-            y0 = x0 * es
-            y1 = x1 * es
-            ps0 = float32(0)
-            ps1 = float32(0)
-            for nt in range(NT):
-                p = _math.exp2(s[nt * 4 + 0] * es - y0)
-                s[nt * 4 + 0] = p
-                ps0 += p
-                p = _math.exp2(s[nt * 4 + 1] * es - y0)
-                s[nt * 4 + 1] = p
-                ps0 += p
-                p = _math.exp2(s[nt * 4 + 2] * es - y1)
-                s[nt * 4 + 2] = p
-                ps1 += p
-                p = _math.exp2(s[nt * 4 + 3] * es - y1)
-                s[nt * 4 + 3] = p
-                ps1 += p
-            lr0 = lr0 * al0 + ps0
-            lr1 = lr1 * al1 + ps1
-            if al0 < float32(1):            # exact: al == 1 when the row max did not move
-                for nt in range(DT):
-                    acc[nt * 4 + 0] *= al0
-                    acc[nt * 4 + 1] *= al0
-            if al1 < float32(1):
-                for nt in range(DT):
-                    acc[nt * 4 + 2] *= al1
-                    acc[nt * 4 + 3] *= al1
-            for i in range(PR):
-                pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
-
-            # ---- O += P V
-            wg_fence()
-            for kk in range(PT):
-                wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
-                      dv + kk * (2 * GB // 16), 1, sm, scr)
-            wg_commit()
-            wg_wait0()
-
-        lr0 = quad_sum(lr0, scrf)
-        lr1 = quad_sum(lr1, scrf)
-        inv0 = float32(1) / lr0
-        inv1 = float32(1) / lr1
-        obase = b * os0 + h * (D // 2) + t
-        if row0 < L:
-            for nt in range(DT):
-                o[obase + row0 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 0] * inv0, acc[nt * 4 + 1] * inv0)
-        if row1 < L:
-            for nt in range(DT):
-                o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
-
-    return kern
-
-
 def _make_issue(TBK, TBV):
     """One thread's tile move for the bulk-copy wgmma kernels: K tile t (TBK bytes) and V tile t
     (TBV bytes) of the tiled buffers -> ring stage ``stage`` (stride TBK + TBV), counted on the
@@ -1118,123 +446,15 @@ def _make_softmax(BN, HAS_MASK):
     return softmax
 
 
-# bits of 1.5 * 2**23: the float32 with bits _MAGIC + x is exactly 12582912 + x for |x| < 2**22
-_MAGIC = 0x4B400000
-_MAGIC_F = 12582912.0
-
-
-def _make_softmax8(BN):
-    """The 8-bit wgmma kernels' online softmax (no mask) straight from the int32 S tile (exact
-    Q8 K8^T dot products, |x| <= 127^2 D < 2^22 for D <= 256) in the m64nN accumulator layout.
-    No int -> float conversion instruction (I2F issues at 16 / clock / SM, the ex2 rate): the
-    float with bits x + _MAGIC is 12582912 + x exactly, so the scaled, max-shifted exponent
-    x f - y = bits(x + _MAGIC) f - (12582912 f + y) is one FFMA, and the max is taken on the
-    biased floats (monotonic in x).  fRH: the scale (Q scale x K scale x log2(e) / sqrt(D)) of
-    row R (0: this thread's row g, 1: g + 8) and the tile's first / second 64 keys (H = 0 / 1).  Ragged columns (>= L) are left out of the max and get
-    p = 0.  st as in _make_softmax; S -> P (fp32) in s."""
-    NT = BN // 8
-    HT = 8                      # m64nN tiles per 64 keys
-    NEG = float32(-3e38)
-    C = float32(_MAGIC_F)
-    ZERO = float32(0)
-    quad_max = _mma.quad_max
-    bits_f32 = _mma.bits_f32
-    assert BN in (64, 128)
-
-    @cuda.jit(device=True, inline=True)
-    def softmax8(si, s, st, f00, f01, f10, f11, n0, L, t, scrf):
-        rag = n0 + BN > L
-        a0 = ZERO
-        a1 = ZERO
-        b0 = ZERO
-        b1 = ZERO
-        for nt in range(NT):
-            for e in range(4):
-                x = bits_f32(si[nt * 4 + e] + _MAGIC)
-                if rag:
-                    if n0 + nt * 8 + 2 * t + (e % 2) >= L:
-                        x = ZERO        # below every valid biased value (>= 2^23)
-                s[nt * 4 + e] = x
-            if nt < HT:
-                a0 = max(a0, max(s[nt * 4 + 0], s[nt * 4 + 1]))
-                a1 = max(a1, max(s[nt * 4 + 2], s[nt * 4 + 3]))
-            else:
-                b0 = max(b0, max(s[nt * 4 + 0], s[nt * 4 + 1]))
-                b1 = max(b1, max(s[nt * 4 + 2], s[nt * 4 + 3]))
-        x0 = (a0 - C) * f00
-        x1 = (a1 - C) * f10
-        if NT > HT:
-            x0 = max(x0, (b0 - C) * f01)
-            x1 = max(x1, (b1 - C) * f11)
-        x0 = max(quad_max(x0, scrf), st[0])
-        x1 = max(quad_max(x1, scrf), st[1])
-        st[4] = _math.exp2(st[0] - x0)
-        st[5] = _math.exp2(st[1] - x1)
-        st[0] = x0
-        st[1] = x1
-        k00 = C * f00 + x0
-        k10 = C * f10 + x1
-        k01 = C * f01 + x0
-        k11 = C * f11 + x1
-        ps0 = ZERO
-        ps1 = ZERO
-        for nt in range(NT):
-            fa = f00 if nt < HT else f01
-            fb = f10 if nt < HT else f11
-            y0 = k00 if nt < HT else k01
-            y1 = k10 if nt < HT else k11
-            p0 = _math.exp2(s[nt * 4 + 0] * fa - y0)
-            p1 = _math.exp2(s[nt * 4 + 1] * fa - y0)
-            p2 = _math.exp2(s[nt * 4 + 2] * fb - y1)
-            p3 = _math.exp2(s[nt * 4 + 3] * fb - y1)
-            if rag:
-                if n0 + nt * 8 + 2 * t >= L:
-                    p0 = ZERO
-                    p2 = ZERO
-                if n0 + nt * 8 + 2 * t + 1 >= L:
-                    p1 = ZERO
-                    p3 = ZERO
-            s[nt * 4 + 0] = p0
-            s[nt * 4 + 1] = p1
-            s[nt * 4 + 2] = p2
-            s[nt * 4 + 3] = p3
-            ps0 += p0 + p1
-            ps1 += p2 + p3
-        st[2] = st[2] * st[4] + ps0
-        st[3] = st[3] * st[5] + ps1
-
-    return softmax8
-
-
-def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, FL=False, BULK=False,
-                      WS=False, REL=False, PP=False):
-    """Variant ``wgpp``: wgp (1 warpgroup, 32-key tiles, 3-stage ring) with FA3's intra-warpgroup
-    overlap: S(j+1) = Q K(j+1)^T and O += P(j) V(j) are issued back to back, the softmax of tile
-    j+1 runs after wgmma.wait_group 1 (S done) while P V still runs, then wait_group 0, rescale O,
-    pack P(j+1).  Ring: tile j+2 loads while tiles j (V) and j+1 (K) are read.  NWG=2
-    (``wgppx2``): two warpgroups / 128 rows share each K / V tile.  BN=64 (``wgpp64``): 32 KB per
-    stage, 96 KB ring in DYNAMIC shared memory (cuKernelSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES,
-    set by the launcher before the first launch: _dyn_launch).
-    STAGES: ring depth; tiles j (V) and j+1 (K) are read while the loads of tiles j+2 ..
-    j+STAGES-1 are in flight (the 2026-11-29 ablations: with 3 stages the kernel waits on its
-    K/V loads most of the time).
-    BULK: k and v are the TILED buffers of ``tile_kv`` (each BN-key tile = the TB bytes of its
-    shared-memory image, zero past L): thread 0 moves a tile with two cp.async.bulk copies that
-    complete on the stage's mbarrier, which every thread waits on -- no per-thread K/V loads (the
-    ablations: the cp.async loads alone take ~0.95 ms of the 3-stage x2 kernel's 1.0).
-    WS (with BULK): warp-specialised -- one extra warp (the block has 128 NWG + 32 threads) issues
-    every tile as soon as its stage is released on the stage's "empty" mbarrier (one arrive per
-    consumer warp after its P V wgmma), so the warpgroups never meet at a block barrier in the loop.
-    REL (with BULK, without WS): the same release protocol without the extra warp -- thread 0
-    waits for tile j-1's release before it issues tile j+S-1, and the loop has no block barrier.
-    PP (with BULK, NWG=2; implies REL): ping-pong -- the warpgroups take turns issuing their
-    wgmma (named barriers 1 and 2, as in _make_kernel8_wgb), so one's softmax overlaps the other's
-    matrix products; the issuing thread is 128 (the second warpgroup, half a turn behind).
-    FL: full K/V tiles load through per-thread offsets computed once (no bounds checks, 32-bit
-    offsets added to one 64-bit tile base); the ragged last tile takes the checked path.
-    ABL (benchmark ablations, wrong results on purpose; 0 in the product): bit 1 skips the loop's
-    K/V loads and their wait, 2 the softmax (P = S), 4 the P V wgmma, 8 the loop's barrier, 16 the
-    loop's generic -> async proxy fence (a race: timing only)."""
+def _make_kernel_wgpp(D, has_mask, NWG=2, BN=128, STAGES=3):
+    """The bf16 wgmma kernel (Hopper): NWG warpgroups x 64 query rows share each BN-key K / V
+    tile; S(j+1) = Q K(j+1)^T and O += P(j) V(j) are issued back to back (FA3's intra-warpgroup
+    overlap), the softmax of tile j+1 runs after wgmma.wait_group 1 (S done) while P V still
+    runs, then wait_group 0, rescale O, pack P(j+1).  k and v are the TILED buffers of
+    ``tile_kv`` (each BN-key tile = the TB bytes of its shared-memory image, zero past L): thread
+    0 moves a tile with two cp.async.bulk copies into a STAGES-deep ring; they complete on the
+    stage's mbarrier, which every thread waits on (no per-thread K/V loads).  A ring over 48 KB
+    lives in dynamic shared memory (the launcher opts in first: _dyn_optin)."""
     assert STAGES >= 3
     BM = 64 * NWG
     NTH = 128 * NWG
@@ -1243,7 +463,6 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     TB = BN * D * 2
     SB = 2 * TB
     RINGW = STAGES * SB // 4
-    LOADS = BN * CH // NTH
     QLOADS = BM * CH // NTH
     KT = D // 16
     NT = BN // 8
@@ -1255,8 +474,6 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     QF = KT * 4
     SCRW = _mma.SCR_WORDS if _rt.SIMULATOR else 0
     SCRF = _mma.SCRF_WORDS if _rt.SIMULATOR else 0
-    LOG2E = float32(_LOG2E)
-    MASK_FLOOR = float32(-1e30)
     NEG = float32(-3e38)
     HAS_MASK = has_mask
     DK_HI = ((128 >> 4) << 16) | ((GB >> 4) << 32)
@@ -1266,24 +483,16 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
     wg_fence, wg_commit, wg_wait0, wg_wait1 = _mma.wg_fence, _mma.wg_commit, _mma.wg_wait0, _mma.wg_wait1
     fence_async = _mma.fence_proxy_async
     ldsm_x4 = _mma.ldsm_x4
-    cp_async16, cp_commit, cp_wait0, cp_wait1 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0, _mma.cp_wait1
-    quad_max, quad_sum, pack_bf16 = _mma.quad_max, _mma.quad_sum, _mma.pack_bf16
-    assert (BULK or (BN * CH) % NTH == 0) and (BM * CH) % NTH == 0 and D % 16 == 0
+    cp_async16, cp_commit, cp_wait0 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0
+    quad_sum, pack_bf16 = _mma.quad_sum, _mma.pack_bf16
+    assert (BM * CH) % NTH == 0 and D % 16 == 0
     DYN = STAGES * SB > 48 * 1024 and not _rt.SIMULATOR      # ring in dynamic shared memory
     RINGS = 0 if DYN else RINGW
     RALIGN = None if DYN else SMEM_ALIGN_WG
     assert BM * D * 2 <= STAGES * SB and STAGES * SB <= 227 * 1024
-    wait_prologue = _mma.cp_wait_n(STAGES - 2)     # tile 0 landed, tiles 1 .. S-2 in flight
-    wait_loop = _mma.cp_wait_n(STAGES - 3)         # tile j+1 landed
-    assert not PP or (BULK and NWG == 2 and not WS)
-    REL = REL or WS or PP               # stages released through the empty mbarriers
-    ISSUER = 128 if PP else 0
-    named_sync, named_arrive = _mma.named_sync, _mma.named_arrive
-    MBW = (4 if REL else 2) * STAGES if BULK else 2
-    EMPTY = 8 * STAGES                  # byte offset of the empty mbarriers (WS)
-    assert BULK or not WS
+    MBW = 2 * STAGES
     MBALIGN = None if _rt.SIMULATOR else 8
-    mbar_init, mbar_wait, mbar_arrive = _mma.mbar_init, _mma.mbar_wait, _mma.mbar_arrive
+    mbar_init, mbar_wait = _mma.mbar_init, _mma.mbar_wait
     fence_mbar_init = _mma.fence_mbar_init
     issue = _make_issue(TB, TB)
 
@@ -1302,11 +511,7 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
 
     softmax = _make_softmax(BN, HAS_MASK)
 
-    JIT = {} if (maxreg is None or _rt.SIMULATOR) else {"max_registers": maxreg}
-    if WS and not _rt.SIMULATOR:    # 288 threads: ptxas must fit 65536 / 288 registers (224)
-        JIT["launch_bounds"] = (NTH + 32, 1)
-
-    @cuda.jit(fastmath=True, **JIT)
+    @cuda.jit(fastmath=True)
     def kern(q, k, v, o, mask, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1,
              ms0, ms1, ms2, L, H, sl2):
         sm = cuda.shared.array(RINGS, int32, alignment=RALIGN)   # 0: dynamic (DYN)
@@ -1327,6 +532,7 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
         sl = float32(sl2)
         es = float32(1) if HAS_MASK else sl
         kb = _mma.smem_base(sm)
+        # (min / tid < NTH: kept from the retired producer-warp variant -- the PTX stays the tag's)
         qaddr = kb + (min(warp, 4 * NWG - 1) * 2 + j8 % 2) * GB + (j8 // 2) * 128 + l8 * 16
         qbase = b * qs0 + h * qs1
         kbase = b * ks0 + h * ks1
@@ -1338,57 +544,23 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
         cp_wait0()
         cuda.syncthreads()
         qf = cuda.local.array(QF, int32)
-        for kk in range(KT):            # (the producer warp too: the simulator's ldmatrix syncs the block)
+        for kk in range(KT):
             a0, a1, a2, a3 = ldsm_x4(sm, qaddr + kk * 256, scr)
             qf[kk * 4 + 0] = a0
             qf[kk * 4 + 1] = a1
             qf[kk * 4 + 2] = a2
             qf[kk * 4 + 3] = a3
-        if BULK:
-            fence_async()               # these generic reads of stage 0 before its bulk writes
+        fence_async()                   # these generic reads of stage 0 before its bulk writes
         cuda.syncthreads()
         ntiles = (L + BN - 1) // BN
-        koff = cuda.local.array(LOADS, int32)
-        voff = cuda.local.array(LOADS, int32)
-        soff = cuda.local.array(LOADS, int32)
-        if FL:
-            for i in range(LOADS):
-                c = i * NTH + tid
-                rr = ((c // 8) // CH) * 8 + c % 8
-                koff[i] = rr * ks2 + ((c // 8) % CH) * 4
-                voff[i] = rr * vs2 + ((c // 8) % CH) * 4
-                soff[i] = ((c // 8) // CH) * GB + ((c // 8) % CH) * 128 + (c % 8) * 16
         mb = _mma.smem_base(mbs)
-        if WS:
-            if tid == 0:
-                for i in range(STAGES):
-                    mbar_init(mbs, mb + 8 * i, 1)
-                    mbar_init(mbs, mb + EMPTY + 8 * i, 4 * NWG)
-                fence_mbar_init()
-            cuda.syncthreads()
-            if tid >= NTH:              # the producer warp
-                if tid == NTH:
-                    for i in range(ntiles):
-                        if i >= STAGES:     # tile i - S released by every consumer warp
-                            mbar_wait(mbs, mb + EMPTY + 8 * (i % STAGES), ((i // STAGES) - 1) & 1)
-                        issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i % STAGES)
-                return
-        elif BULK:
-            if tid == 0:
-                for i in range(STAGES):
-                    mbar_init(mbs, mb + 8 * i, 1)
-                    if REL:
-                        mbar_init(mbs, mb + EMPTY + 8 * i, 4 * NWG)
-                fence_mbar_init()
-                for i in range(STAGES - 1):
-                    if i < ntiles:
-                        issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i)
-        else:
-            for i in range(STAGES - 1):     # one commit group per tile (empty past the last tile)
+        if tid == 0:
+            for i in range(STAGES):
+                mbar_init(mbs, mb + 8 * i, 1)
+            fence_mbar_init()
+            for i in range(STAGES - 1):
                 if i < ntiles:
-                    load_tile(sm, kb + i * SB, k, kbase, ks2, i * BN, L, tid, LOADS)
-                    load_tile(sm, kb + i * SB + TB, v, vbase, vs2, i * BN, L, tid, LOADS)
-                cp_commit()
+                    issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i)
 
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
@@ -1402,69 +574,27 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
         st[3] = float32(0)
         row0 = m0 + warp * 16 + g
         row1 = row0 + 8
-        wg = warp // 4
-        if PP and wg == 1:
-            named_arrive(1, NTH)        # the first turn is warpgroup 0's
 
         # ---- tile 0: S, softmax, P
-        if WS:
-            mbar_wait(mbs, mb, 0)
-        elif BULK:
-            cuda.syncthreads()          # mbarriers initialised (and the simulator's copies done)
-            mbar_wait(mbs, mb, 0)
-        else:
-            wait_prologue()
-            fence_async()
-            cuda.syncthreads()
+        cuda.syncthreads()              # mbarriers initialised (and the simulator's copies done)
+        mbar_wait(mbs, mb, 0)
         dk = DK_HI | (int64(kb) >> 4)
-        if PP:
-            named_sync(1 + wg, NTH)
         wg_fence()
         for kk in range(KT):
             wg_qk(s, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3], dk + kk * 16, kk, sm, scr)
         wg_commit()
-        if PP:
-            named_arrive(2 - wg, NTH)
         wg_wait0()
         softmax(s, st, mask, b, h, ms0, ms1, ms2, 0, row0, L, t, sl, es, scrf)
         for i in range(PR):
             pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
 
         for j in range(ntiles):
-            if BULK:
-                if not REL and not (ABL & 8):
-                    cuda.syncthreads()  # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
-            elif not (ABL & 1):
-                wait_loop()             # tile j+1 landed
-            if not BULK and not (ABL & 8):
-                if not (ABL & 16):
-                    fence_async()
-                cuda.syncthreads()      # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
+            cuda.syncthreads()          # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
             t0 = (j + STAGES - 1) * BN
-            if BULK:
-                if REL and not WS and not (ABL & 1) and tid == ISSUER and t0 < L:
-                    if j >= 1:          # tile j-1 (this stage's last tile) released by every warp
-                        mbar_wait(mbs, mb + EMPTY + 8 * ((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
-                    issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
-                elif not REL and not (ABL & 1) and tid == 0 and t0 < L:
-                    issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
-            elif FL and not (ABL & 1) and t0 + BN <= L:
-                sb = kb + ((j + STAGES - 1) % STAGES) * SB
-                kt = kbase + t0 * ks2
-                vt = vbase + t0 * vs2
-                for i in range(LOADS):
-                    cp_async16(sm, sb + soff[i], k, kt + koff[i], 16)
-                    cp_async16(sm, sb + TB + soff[i], v, vt + voff[i], 16)
-            elif not (ABL & 1) and t0 < L:
-                sn = (j + STAGES - 1) % STAGES
-                load_tile(sm, kb + sn * SB, k, kbase, ks2, (j + STAGES - 1) * BN, L, tid, LOADS)
-                load_tile(sm, kb + sn * SB + TB, v, vbase, vs2, (j + STAGES - 1) * BN, L, tid, LOADS)
-            if not BULK:
-                cp_commit()
-            elif not (ABL & 1) and j + 1 < ntiles:     # tile j+1 landed (waited for after the
-                mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)   # issue above)
-            if PP:
-                named_sync(1 + wg, NTH)     # this warpgroup's turn on the tensor cores
+            if tid == 0 and t0 < L:
+                issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
+            if j + 1 < ntiles:          # tile j+1 landed (waited for after the issue above)
+                mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
             # No branches around the wgmma groups (ptxas serializes every wgmma of the kernel when
             # it cannot count the groups): the last iteration computes a phantom S(ntiles) from a
             # stale stage; its columns are all >= L, so they become -3e38 before the max (NaN-proof),
@@ -1476,22 +606,13 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
                       dk + kk * 16, kk, sm, scr)
             wg_commit()
             dv = DV_HI | (int64(kb + (j % STAGES) * SB + TB) >> 4)
-            if not (ABL & 4):
-                for kk in range(PT):
-                    wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
-                          dv + kk * (2 * GB // 16), 1, sm, scr)
+            for kk in range(PT):
+                wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
+                      dv + kk * (2 * GB // 16), 1, sm, scr)
             wg_commit()
-            if PP:
-                named_arrive(2 - wg, NTH)   # the other warpgroup's turn
             wg_wait1()                  # S(j+1) done; P(j) V(j) may still run
-            if ABL & 2:
-                st[4] = float32(1)
-                st[5] = float32(1)
-            else:
-                softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, sl, es, scrf)
+            softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, sl, es, scrf)
             wg_wait0()
-            if REL and lane == 0:
-                mbar_arrive(mbs, mb + EMPTY + 8 * (j % STAGES))    # this warp is done with tile j
             al0 = st[4]
             al1 = st[5]
             if al0 < float32(1):
@@ -1505,8 +626,6 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
             for i in range(PR):
                 pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
 
-        if PP and wg == 0:
-            named_sync(1, NTH)          # warpgroup 1's last hand-over (no pending arrivals at exit)
         lr0 = quad_sum(st[2], scrf)
         lr1 = quad_sum(st[3], scrf)
         inv0 = float32(1) / lr0
@@ -1520,54 +639,23 @@ def _make_kernel_wgpp(D, has_mask, maxreg=None, NWG=1, BN=32, ABL=0, STAGES=3, F
                 o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
 
     kern.dyn_smem = STAGES * SB if DYN else 0
-    kern.tile_kv = BN if BULK else 0       # the launcher passes tile_kv(k / v, BN)
-    kern.nth = NTH + (32 if WS else 0)
+    kern.tile_kv = BN                      # the launcher passes tile_kv(k / v, BN)
+    kern.nth = NTH
     kern.rows = BM
     return kern
 
 
-# Tiling variants of the bf16 kernel: warps per block (16 query rows each) x 64-token KV tiles.
-# FLUX_ATTN_TILE=4w (64 x 64, default) or 8w (128 x 64, K/V tile shared by 8 warps); set_variant()
-# switches at run time (the GPU bench compares both in one process).
-# wg / wg2: Hopper wgmma kernel with 1 / 2 warpgroups per block (sm_90 only, else falls back to 4w)
-# wgr: wg capped at 168 registers (3 blocks / SM instead of 2; ptxas spills ~300 B)
-# w32 / w32x2 / w32x8: 32 query rows per warp (_make_kernel32), 4 / 2 / 8 warps per block;
-# w32n32 / w32n16: w32 with 32- / 16-key tiles at every head dim (w32: 64 at D <= 64, else 32;
-# n16 needs fewer registers, but a barrier per 16 keys); w32e: w32 rescaling O
-# on every tile (the others skip the rescale of a row whose running max did not move).
-_W32 = {"w32": (4, None), "w32x2": (2, None), "w32x8": (8, None), "w32n32": (4, 32), "w32n16": (4, 16),
-        "w32e": (4, None, 0)}
-# wgp / wgp2 / wgpx2 / wgpr: wgmma kernel with a cp.async ring of 32-key tiles (_make_kernel_wgp):
-# (warpgroups, ring stages, register cap: wgpr 168 = 3 blocks / SM); wgpp / wgppr / wgppx2 / wgpp64:
-# _make_kernel_wgpp (softmax overlapped with P V; wgpp64: 64-key tiles, 96 KB of dynamic shared
-# memory).  Hopper and (on the GPU) head dim 128 only like wg, else 4w.
-# Default: "auto" (below; FLUX_ATTN_TILE=<name> forces one, e.g. "4w", "wgpp64" or
-# "w32"); other GPUs / head dims then fall back as described.
-# wgpp{BN}x{NWG}s{S}[f] (e.g. wgpp64x2s5f): _make_kernel_wgpp with BN-key tiles, NWG warpgroups, an
-# S-stage ring (the 3-stage ring waits on its loads: bench/gpu_attn_ablate.py), f: FL loads,
-# b: BULK (K and V re-laid out by tile_kv, one bulk copy per tile), w: BULK + WS (producer warp),
-# e: BULK + REL (stages released on mbarriers, no block barrier in the loop).
-_WGP = {"wgp": (1, 3), "wgp2": (1, 2), "wgpx2": (2, 3), "wgpr": (1, 3, 168), "wgpp": (1, 3),
-        "wgppr": (1, 3, 168), "wgppx2": (2, 3), "wgpp64": (1, 3),
-        **{f"wgpp{bn}x{nwg}s{st}{f}": (nwg, st) for bn, nwg, st in (
-            (32, 1, 3), (32, 2, 3), (32, 1, 6), (64, 1, 5), (32, 2, 4), (32, 2, 6), (64, 2, 4), (64, 2, 5), (64, 2, 6), (128, 2, 3))
-           for f in ("", "f", "b", "w", "e", "p")}}
-
-
-def _wgpp_cfg(nw):
-    """(maxreg, warpgroups, key-tile width, stages) of a _make_kernel_wgpp variant, else None."""
-    if nw in ("wgpp", "wgppr", "wgppx2", "wgpp64"):
-        return (168 if nw == "wgppr" else None, 2 if nw == "wgppx2" else 1, 64 if nw == "wgpp64" else 32, 3,
-                False, False, False, False, False)
-    m = re.fullmatch(r"wgpp(\d+)x(\d)s(\d)([fbwep]?)", nw) if isinstance(nw, str) else None
-    return (None, int(m.group(2)), int(m.group(1)), int(m.group(3)), m.group(4) == "f",
-            m.group(4) in ("b", "w", "e", "p"), m.group(4) == "w", m.group(4) == "e", m.group(4) == "p") if m else None
-VARIANTS = {"4w": 4, "8w": 8, "wg": "wg", "wg2": "wg2", "wgr": "wgr", **{n: n for n in _W32},
-            **{n: n for n in _WGP}}
-# "auto" (default): wgpp128x2s3b (wgmma, 128 x 128 tiles, K / V re-laid out by tile_kv and moved
-# by bulk copies: 0.56 + 0.05 ms at the FLUX shape on the H200, bench/gpu_attn_ablate.py) where
-# the wgmma kernels run (Hopper, head dim 128), else 4w.
-VARIANTS["auto"] = "auto"
+# Tiling variants of the bf16 kernel: "4w" = mma.sync, 64 query rows (4 warps) x 64-key tiles
+# (default off Hopper / at head dims != 128), "8w" = 128 rows (8 warps); "wgpp128x2s3b" = the wgmma
+# kernel, 2 warpgroups x 128-key tiles, 3-stage bulk-copy ring (default on Hopper at D=128).
+# Retired at tag attention-variants-pre-retire (BENCHMARKS.md, [1,24,4608,128], H200):
+#   w32 family (32 rows / warp): 1.133 ms (w32x8 1.035, w32n16 1.187) vs 4w 1.009
+#   wg / wgr / wg2 (single-buffered wgmma): 1.71 / 1.80 / 1.24 ms
+#   wgp / wgpp / wgpp64 / wgppr (cp.async ring): 1.90 / 1.80 / 1.81 ms; 128x2s3 cp.async 1.074
+#   wgpp..f (unchecked full-tile loads): 1.001 vs 1.058 (cp.async ring, still 1.8x the bulk kernel)
+#   wgpp..w (producer warp): 32x1s4w 0.656, 32x2s6w 0.781 vs 128x2s3b 0.561
+#   wgpp..e (mbarrier stage release): 128x2s3e 0.594; ..p (+ ping-pong): 0.595 vs 0.561
+VARIANTS = {"4w": 4, "8w": 8, "wgpp128x2s3b": "wgpp128x2s3b", "auto": "auto"}
 _AUTO_WG = "wgpp128x2s3b"
 _variant = os.environ.get("FLUX_ATTN_TILE", "auto")
 if _variant not in VARIANTS:
@@ -1585,14 +673,8 @@ def _warps(D, dev=None):
     nw = VARIANTS[_variant]
     if nw == "auto":
         nw = _AUTO_WG if _wg_ok(D, dev) and not _rt.SIMULATOR else 4
-    if nw in _W32:
-        return nw
-    if nw in _WGP:
-        cfg = _wgpp_cfg(nw) or (0, 0, 32, 3, False, False, False, False, False)
-        loads_ok = cfg[5] or (cfg[2] * (D // 8)) % (128 * _WGP[nw][0]) == 0   # bulk: no per-thread K/V loads
-        return nw if _wg_ok(D, dev) and loads_ok else 4
-    if nw in ("wg", "wg2", "wgr"):
-        return nw if _wg_ok(D, dev) and (64 * (D // 8)) % (256 if nw == "wg2" else 128) == 0 else 4
+    if nw == _AUTO_WG:
+        return nw if _wg_ok(D, dev) else 4
     return nw if (64 * (D // 8)) % (32 * nw) == 0 else 4  # 8 warps need D >= 32
 
 
@@ -1618,18 +700,9 @@ def _hopper(dev):
 def _kernel(D, has_mask, nw=4):
     key = (D, bool(has_mask), nw)
     kern = _kernels.get(key)
-    if kern is None and nw in _W32:
-        kern = _kernels[key] = _make_kernel32(D, bool(has_mask), *_W32[nw])
-    cfg = _wgpp_cfg(nw)
-    if kern is None and cfg:
-        mr, nwg, bn, st, fl, bulk, ws, rel, pp = cfg
-        kern = _kernels[key] = _make_kernel_wgpp(D, bool(has_mask), mr, nwg, bn, 0, st, fl, bulk, ws, rel, pp)
-    if kern is None and nw in _WGP:
-        kern = _kernels[key] = _make_kernel_wgp(D, bool(has_mask), *_WGP[nw])
     if kern is None:
-        kern = _kernels[key] = (_make_kernel_wg(D, bool(has_mask), 2 if nw == "wg2" else 1,
-                                                168 if nw == "wgr" else None)
-                                if isinstance(nw, str) else _make_kernel(D, bool(has_mask), nw))
+        kern = _kernels[key] = (_make_kernel_wgpp(D, bool(has_mask), 2, 128, 3) if nw == _AUTO_WG
+                                else _make_kernel(D, bool(has_mask), nw))
     return kern
 
 
@@ -1743,15 +816,10 @@ def numba_attention(q, k, v, mask=None, out=None):
             marr = _dummy_mask[q.device] = _f32_1d(torch.zeros(1, dtype=torch.float32, device=q.device))
     nw = _warps(D, q.device)
     kern = _kernel(D, mask is not None, nw)
-    if nw in _W32:
-        nth = 32 * _W32[nw][0]
-        rows = 32 * _W32[nw][0]
-    elif nw in _WGP:
-        nth = getattr(kern, "nth", 128 * _WGP[nw][0])
-        rows = 64 * _WGP[nw][0]
+    if nw == _AUTO_WG:
+        nth, rows = kern.nth, kern.rows
     else:
-        nth = {"wg": 128, "wgr": 128, "wg2": 256}.get(nw) or 32 * nw
-        rows = {"wg": 64, "wgr": 64, "wg2": 128}.get(nw) or 16 * nw
+        nth, rows = 32 * nw, 16 * nw
     if getattr(kern, "tile_kv", 0):
         k, v = tile_kv(k, v, kern.tile_kv)
     _launch(kern, q, k, v, dst, marr, mst, rows, nth)
@@ -1908,10 +976,9 @@ registry.register_backend(OP, "numba", numba_attention, check=check, priority=10
 # online softmax in fp32; P (bf16) V (the caller's bf16 V, read in place: no conversion pass)
 # on bf16 tensor cores (m16n8k16, fp32 accumulate), exactly like the bf16 kernel.
 # Pre-pass: ONE numba launch (``quantize_8bit_numba``) reads Q and K once and writes int8 + scales
-# into cached scratch buffers; ``quantize_8bit`` is its torch reference (FLUX_ATTN_8BIT_PREPASS=torch).
+# into cached scratch buffers; ``quantize_8bit`` is its torch reference (tests).
 
 _kernels8 = {}
-_PREPASS = os.environ.get("FLUX_ATTN_8BIT_PREPASS", "numba")  # or "torch" (quantize_8bit)
 _KMEAN_SAMPLES = 64
 
 
@@ -2168,246 +1235,23 @@ def _make_kernel8(D, has_mask, per_tok=False):
     return kern
 
 
-def _make_kernel8_wg(D, has_mask, maxreg=None):
-    """Hopper 8-bit kernel (variant ``wg``): the wg kernel's structure (one warpgroup, 64 query
-    rows, no-swizzle core-matrix tiles) with S = Q8 K8^T on wgmma m64n64k32 s8 (exact int32;
-    Q8 A fragments in registers, K8 tile K-major: LBO 128, SBO = D/16 * 128) and P V on wgmma
-    m64n{D}k16 bf16 from the caller's V (MN-major: LBO = D/8 * 128, SBO 128)."""
-    BM = 64
-    BN = 64
-    NTH = 128
-    CH8 = D // 16          # 16-byte chunks per int8 row
-    GB8 = CH8 * 128
-    CH = D // 8            # ... per bf16 row
-    GB = CH * 128
-    K8B = BN * D           # int8 tile bytes
-    TW = (K8B + BN * D * 2) // 4
-    L8 = BN * CH8 // NTH
-    LV = BN * CH // NTH
-    KT = D // 32
-    NT = BN // 8
-    NS = NT * 4
-    DT = D // 8
-    NACC = D // 2
-    PT = BN // 16
-    QF = KT * 4
-    SCRW = _mma.SCR_WORDS
-    SCRF = _mma.SCRF_WORDS
-    LOG2E = float32(_LOG2E)
-    MASK_FLOOR = float32(-1e30)
-    NEG = float32(-3e38)
-    HAS_MASK = has_mask
-    DK_HI = ((128 >> 4) << 16) | ((GB8 >> 4) << 32)
-    DV_HI = ((GB >> 4) << 16) | ((128 >> 4) << 32)
-    wg_qk = _mma.wgmma_op(BN, 0, "s8")
-    wg_pv = _mma.wgmma_op(D, 1)
-    wg_fence, wg_commit, wg_wait0, fence_async = _mma.wg_fence, _mma.wg_commit, _mma.wg_wait0, _mma.fence_proxy_async
-    ldsm_x4 = _mma.ldsm_x4
-    cp_async16, cp_commit, cp_wait0, cp_wait1 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0, _mma.cp_wait1
-    quad_max, quad_sum, pack_bf16 = _mma.quad_max, _mma.quad_sum, _mma.pack_bf16
-    assert D % 32 == 0 and (BN * CH8) % NTH == 0 and (BN * CH) % NTH == 0
-
-    @cuda.jit(device=True, inline=True)
-    def load8(sm, sbase, g, gbase, r0, tid):   # int8 rows of the padded buffer: always in range
-        for i in range(L8):
-            c = i * NTH + tid
-            r8 = c % 8
-            rest = c // 8
-            cc = rest % CH8
-            grp = rest // CH8
-            cp_async16(sm, sbase + grp * GB8 + cc * 128 + r8 * 16, g,
-                       gbase + (r0 + grp * 8 + r8) * (D // 4) + cc * 4, 16)
-
-    @cuda.jit(device=True, inline=True)
-    def load16(sm, sbase, g, gbase, gstride, r0, L, tid):
-        for i in range(LV):
-            c = i * NTH + tid
-            r8 = c % 8
-            rest = c // 8
-            cc = rest % CH
-            grp = rest // CH
-            row = r0 + grp * 8 + r8
-            nb = 16
-            if row >= L:
-                row = L - 1
-                nb = 0
-            cp_async16(sm, sbase + grp * GB + cc * 128 + r8 * 16, g, gbase + row * gstride + cc * 4, nb)
-
-    JIT = {} if (maxreg is None or _rt.SIMULATOR) else {"max_registers": maxreg}
-
-    @cuda.jit(fastmath=True, **JIT)
-    def kern(q, k, v, qsc, ksc, o, mask, vs0, vs1, vs2, os0, os1, ms0, ms1, ms2, L, Lp, H, sl2):
-        sm = cuda.shared.array(TW, int32, alignment=SMEM_ALIGN_WG)   # K8 tile | V tile
-        scr = cuda.shared.array(SCRW, int32)
-        scrf = cuda.shared.array(SCRF, float32)
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        g = lane // 4
-        t = lane % 4
-        l8 = lane % 8
-        j8 = lane // 8
-        bh = cuda.blockIdx.y
-        b = bh // H
-        h = bh - b * H
-        m0 = cuda.blockIdx.x * BM
-        sl = float32(sl2)
-        kb = _mma.smem_base(sm)
-        vb = kb + K8B
-        qaddr = kb + (warp * 2 + j8 % 2) * GB8 + (j8 // 2) * 128 + l8 * 16
-        dk = DK_HI | (int64(kb) >> 4)
-        dv = DV_HI | (int64(vb) >> 4)
-        base8 = bh * Lp * (D // 4)
-        vbase = b * vs0 + h * vs1
-        nkt = Lp // BN
-        qscale = qsc[bh * (Lp // 16) + (m0 // 16) + warp] * sl
-
-        load8(sm, kb, q, base8, m0, tid)
-        cp_commit()
-        cp_wait0()
-        cuda.syncthreads()
-        qf = cuda.local.array(QF, int32)
-        for kk in range(KT):
-            a0, a1, a2, a3 = ldsm_x4(sm, qaddr + kk * 256, scr)
-            qf[kk * 4 + 0] = a0
-            qf[kk * 4 + 1] = a1
-            qf[kk * 4 + 2] = a2
-            qf[kk * 4 + 3] = a3
-        cuda.syncthreads()
-        load8(sm, kb, k, base8, 0, tid)
-        cp_commit()
-
-        acc = cuda.local.array(NACC, float32)
-        for i in range(NACC):
-            acc[i] = float32(0)
-        si = cuda.local.array(NS, int32)
-        s = cuda.local.array(NS, float32)
-        pr = cuda.local.array(16, int32)
-        mr0 = NEG
-        mr1 = NEG
-        lr0 = float32(0)
-        lr1 = float32(0)
-        row0 = m0 + warp * 16 + g
-        row1 = row0 + 8
-        ntiles = (L + BN - 1) // BN
-        for j in range(ntiles):
-            n0 = j * BN
-            load16(sm, vb, v, vbase, vs2, n0, L, tid)
-            cp_commit()
-            cp_wait1()
-            fence_async()
-            cuda.syncthreads()
-            wg_fence()
-            for kk in range(KT):
-                wg_qk(si, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3],
-                      dk + kk * 16, kk, sm, scr)
-            wg_commit()
-            wg_wait0()
-            cuda.syncthreads()
-            if j + 1 < ntiles:
-                load8(sm, kb, k, base8, n0 + BN, tid)
-            cp_commit()
-
-            f = qscale * ksc[bh * nkt + j]
-            for i in range(NS):
-                s[i] = float32(si[i]) * f
-            if HAS_MASK:
-                for nt in range(NT):
-                    for e in range(4):
-                        col = n0 + nt * 8 + 2 * t + (e % 2)
-                        row = row0 + 8 * (e // 2)
-                        if row < L and col < L:
-                            mv = mask[b * ms0 + h * ms1 + row * ms2 + col] * LOG2E
-                            s[nt * 4 + e] += max(mv, MASK_FLOOR)
-            if n0 + BN > L:
-                for nt in range(NT):
-                    for e in range(4):
-                        if n0 + nt * 8 + 2 * t + (e % 2) >= L:
-                            s[nt * 4 + e] = NEG
-            x0 = NEG
-            x1 = NEG
-            for nt in range(NT):
-                x0 = max(x0, max(s[nt * 4 + 0], s[nt * 4 + 1]))
-                x1 = max(x1, max(s[nt * 4 + 2], s[nt * 4 + 3]))
-            x0 = quad_max(x0, scrf)
-            x1 = quad_max(x1, scrf)
-            x0 = max(x0, mr0)
-            x1 = max(x1, mr1)
-            al0 = _math.exp2(mr0 - x0)
-            al1 = _math.exp2(mr1 - x1)
-            mr0 = x0
-            mr1 = x1
-            ps0 = float32(0)
-            ps1 = float32(0)
-            for nt in range(NT):
-                p = _math.exp2(s[nt * 4 + 0] - x0)
-                s[nt * 4 + 0] = p
-                ps0 += p
-                p = _math.exp2(s[nt * 4 + 1] - x0)
-                s[nt * 4 + 1] = p
-                ps0 += p
-                p = _math.exp2(s[nt * 4 + 2] - x1)
-                s[nt * 4 + 2] = p
-                ps1 += p
-                p = _math.exp2(s[nt * 4 + 3] - x1)
-                s[nt * 4 + 3] = p
-                ps1 += p
-            lr0 = lr0 * al0 + ps0
-            lr1 = lr1 * al1 + ps1
-            for nt in range(DT):
-                acc[nt * 4 + 0] *= al0
-                acc[nt * 4 + 1] *= al0
-                acc[nt * 4 + 2] *= al1
-                acc[nt * 4 + 3] *= al1
-            for i in range(PT * 4):
-                pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
-
-            cp_wait1()
-            fence_async()
-            cuda.syncthreads()
-            wg_fence()
-            for kk in range(PT):
-                wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
-                      dv + kk * (2 * GB // 16), 1, sm, scr)
-            wg_commit()
-            wg_wait0()
-            cuda.syncthreads()
-
-        lr0 = quad_sum(lr0, scrf)
-        lr1 = quad_sum(lr1, scrf)
-        inv0 = float32(1) / lr0
-        inv1 = float32(1) / lr1
-        obase = b * os0 + h * (D // 2) + t
-        if row0 < L:
-            for nt in range(DT):
-                o[obase + row0 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 0] * inv0, acc[nt * 4 + 1] * inv0)
-        if row1 < L:
-            for nt in range(DT):
-                o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
-
-    return kern
-
-
-def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=False, ABL=0):
-    """Hopper 8-bit kernel (variant ``wgb``) on the bf16 default's structure: 2 warpgroups x 64
-    query rows, BN-key tiles in a STAGES ring fed by bulk copies (thread 0, mbarriers), S(j+1)
+def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=4, QTOK=False):
+    """Hopper 8-bit kernel (variant ``wgbp``) on the bf16 default's structure: 2 warpgroups x 64
+    query rows, BN-key tiles in a STAGES ring fed by bulk copies (mbarriers), S(j+1)
     issued with P(j) V(j).  S = Q8 K8^T on wgmma m64nBNk32 s8 (exact int32) x (per-16-row Q scale
     x per-64-key K scale, the pre-pass's); P V on bf16 wgmma.  k: the int8 K in tile_kv's image
     (viewed as 16-bit pairs: the same core-matrix layout, 16 values per 16-byte chunk), written so
     by the pre-pass (_make_prepass TK); v: tile_kv(v); q: the padded int8 Q (cp.async once).
-    PP (variant ``wgbp``): FA3's ping-pong -- the two warpgroups take turns issuing their wgmma
+    FA3's ping-pong -- the two warpgroups take turns issuing their wgmma
     (named barriers 1 and 2: a warpgroup waits for its turn, issues S(j+1) and P(j) V(j), hands
     the turn over), so one warpgroup's softmax runs while the other's matrix products use the
     tensor cores; no block barrier in the loop: each warp releases a stage on its "empty"
     mbarrier after P(j) V(j), and the issuing thread (thread 128: the second warpgroup, which
     runs half a turn behind) waits for that release before it reuses the stage.
-    FS (without a mask): the softmax straight from the int32 S (_make_softmax8: no I2F).
     QTOK: per-token Q scales (qsc [B*H*Lp]: qk_norm_rope's fused Quant8, whose Q8 is q), K8 and
     its per-64-key scales from the K-only pre-pass (the per-token K scales would cost a scale per
     column: measured 0.80 ms against 0.49 with them read from L1): each thread's two rows get
-    their own factors, f(row, half) = q_scale[row] x k_scale[half].
-    ABL (benchmark ablations, wrong results on purpose; 0 in the product): bit 1 skips the loop's
-    K / V copies and their waits, 2 the softmax (P = S)."""
+    their own factors, f(row, half) = q_scale[row] x k_scale[half]."""
     NWG = 2
     BM = 64 * NWG
     NTH = 128 * NWG
@@ -2441,15 +1285,13 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
     mbar_init, mbar_wait, fence_mbar_init = _mma.mbar_init, _mma.mbar_wait, _mma.fence_mbar_init
     issue = _make_issue(TB8, TBV)
     softmax = _make_softmax(BN, has_mask)
-    FS = FS and not has_mask
-    softmax8 = _make_softmax8(BN)
     DYN = STAGES * SB > 48 * 1024 and not _rt.SIMULATOR
     RINGS = 0 if DYN else STAGES * SB // 4
     RALIGN = None if DYN else SMEM_ALIGN_WG
     MBALIGN = None if _rt.SIMULATOR else 8
-    MBW = (4 if PP else 2) * STAGES
-    EMPTY = 8 * STAGES                  # byte offset of the empty mbarriers (PP)
-    ISSUER = 128 if PP else 0           # PP: the lagging warpgroup's first thread issues the loop's tiles
+    MBW = 4 * STAGES
+    EMPTY = 8 * STAGES                  # byte offset of the empty mbarriers
+    ISSUER = 128                        # the lagging warpgroup's first thread issues the loop's tiles
     named_sync, named_arrive, mbar_arrive = _mma.named_sync, _mma.named_arrive, _mma.mbar_arrive
     assert D % 32 == 0 and BN % 64 == 0 and BM * D <= SB and (BM * CH8) % NTH == 0
 
@@ -2519,8 +1361,7 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
         if tid == 0:
             for i in range(STAGES):
                 mbar_init(mbs, mb + 8 * i, 1)
-                if PP:
-                    mbar_init(mbs, mb + EMPTY + 8 * i, 4 * NWG)
+                mbar_init(mbs, mb + EMPTY + 8 * i, 4 * NWG)
             fence_mbar_init()
             for i in range(STAGES - 1):
                 if i < ntiles:
@@ -2540,43 +1381,35 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
         row1 = row0 + 8
         one = float32(1)
 
-        if PP and wg == 1:
+        if wg == 1:
             named_arrive(1, NTH)                # the first turn is warpgroup 0's
         cuda.syncthreads()
         mbar_wait(mbs, mb, 0)
         dk = DK_HI | (int64(kb) >> 4)
-        if PP:
-            named_sync(1 + wg, NTH)
+        named_sync(1 + wg, NTH)
         wg_fence()
         for kk in range(KT):
             wg_qk(si, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3], dk + kk * 16, kk, sm, scr)
         wg_commit()
-        if PP:
-            named_arrive(2 - wg, NTH)
+        named_arrive(2 - wg, NTH)
         wg_wait0()
         ka = ksc[bh * nkt]
         kb2 = ksc[bh * nkt + min(1, nkt - 1)]
-        if FS:
-            softmax8(si, s, st, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2, 0, L, t, scrf)
-        else:
-            scaled(si, s, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2)
-            softmax(s, st, mask, b, h, ms0, ms1, ms2, 0, row0, L, t, one, one, scrf)
+        scaled(si, s, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2)
+        softmax(s, st, mask, b, h, ms0, ms1, ms2, 0, row0, L, t, one, one, scrf)
         for i in range(PR):
             pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
 
         for j in range(ntiles):
             # the next tile's copies go out before this iteration's wait for tile j+1 (a late
             # tile must not delay the issue of the one after it)
-            if not PP:
-                cuda.syncthreads()              # every warp is past P(j-1) V(j-1)
-            if not (ABL & 1) and tid == ISSUER and j + STAGES - 1 < ntiles:
-                if PP and j >= 1:               # tile j-1 (this stage's last tile) released by every warp
+            if tid == ISSUER and j + STAGES - 1 < ntiles:
+                if j >= 1:                      # tile j-1 (this stage's last tile) released by every warp
                     mbar_wait(mbs, mb + EMPTY + 8 * ((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
                 issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
-            if not (ABL & 1) and j + 1 < ntiles:
+            if j + 1 < ntiles:
                 mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
-            if PP:
-                named_sync(1 + wg, NTH)         # this warpgroup's turn on the tensor cores
+            named_sync(1 + wg, NTH)             # this warpgroup's turn on the tensor cores
             # (phantom S(ntiles) in the last iteration, as in the bf16 kernel: all its columns >= L)
             wg_fence()
             dk = DK_HI | (int64(kb + ((j + 1) % STAGES) * SB) >> 4)
@@ -2589,23 +1422,15 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
                 wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
                       dv + kk * (2 * GB // 16), 1, sm, scr)
             wg_commit()
-            if PP:
-                named_arrive(2 - wg, NTH)       # the other warpgroup's turn
+            named_arrive(2 - wg, NTH)           # the other warpgroup's turn
             wg_wait1()                          # S(j+1) done; P(j) V(j) may still run
             kt = min((j + 1) * (BN // 64), nkt - 1)
             ka = ksc[bh * nkt + kt]
             kb2 = ksc[bh * nkt + min(kt + 1, nkt - 1)]
-            if ABL & 2:
-                scaled(si, s, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2)
-                st[4] = one
-                st[5] = one
-            elif FS:
-                softmax8(si, s, st, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2, (j + 1) * BN, L, t, scrf)
-            else:
-                scaled(si, s, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2)
-                softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, one, one, scrf)
+            scaled(si, s, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2)
+            softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, one, one, scrf)
             wg_wait0()
-            if PP and lane == 0:
+            if lane == 0:
                 mbar_arrive(mbs, mb + EMPTY + 8 * (j % STAGES))    # this warp is done with tile j
             al0 = st[4]
             al1 = st[5]
@@ -2620,7 +1445,7 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
             for i in range(PR):
                 pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
 
-        if PP and wg == 0:
+        if wg == 0:
             named_sync(1, NTH)                  # warpgroup 1's last hand-over (no pending arrivals at exit)
         lr0 = quad_sum(st[2], scrf)
         lr1 = quad_sum(st[3], scrf)
@@ -2641,18 +1466,18 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=3, PP=False, FS=False, QTOK=Fa
     return kern
 
 
-# "auto" (default): _AUTO8 = wgbp on Hopper at head dim 128 (kernel 0.487 ms at the FLUX shape vs
-# wgb's 0.51-0.52; op with the Numba pre-pass 0.66 ms, fed by qk_norm_rope's fused pack 0.62 ms
-# vs the mma kernel's 0.90, same error: bench/gpu_attn_ablate.py FLUX_ABL_8K / FLUX_ABL_8BIT /
-# FLUX_ABL_8PT), else mma; "wg" / "wgr": the older single-warpgroup wgmma kernel (wgr: <= 168
-# registers).  With qk_norm_rope's per-token pack the wgb family takes the pack's Q8 + Q scales
-# (QTOK) and quantizes K itself (K-only pre-pass, tile layout); the mma kernel takes the whole pack.
+# "auto" (default): _AUTO8 = wgbp on Hopper at head dim 128 (kernel 0.487 ms at the FLUX shape;
+# op with the Numba pre-pass 0.66 ms, fed by qk_norm_rope's fused pack 0.62 ms vs the mma kernel's
+# 0.90, same error), else "mma".  With qk_norm_rope's per-token pack wgbp takes the pack's Q8 + Q
+# scales (QTOK) and quantizes K itself (K-only pre-pass, tile layout); the mma kernel takes the
+# whole pack.  Retired at tag attention-variants-pre-retire (BENCHMARKS.md, H200, FLUX shape):
+#   wg / wgr (single-warpgroup int8 wgmma, cp.async): 1.49 ms op vs mma 0.90
+#   wgb (block barrier per tile, 3 stages): kernel 0.520-0.530 vs wgbp 0.487
+#   wgbpf (wgbp + int32-direct softmax, FS): 0.492-0.498 vs 0.487
+#   torch pre-pass (FLUX_ATTN_8BIT_PREPASS=torch): 1.11 ms vs the Numba pre-pass 0.091
 _variant8 = os.environ.get("FLUX_ATTN_8BIT_KERNEL", "auto")
 _AUTO8 = "wgbp"
-# wgb family (_make_kernel8_wgb): wgb = the 2026-11-29 session-3 kernel; wgbp = ping-pong warpgroups
-# with a 4-stage ring; wgbpf = wgbp with the int32-direct softmax (FS).
-_WGB = {"wgb": {}, "wgbp": {"PP": True, "STAGES": 4}, "wgbpf": {"PP": True, "STAGES": 4, "FS": True}}
-_VARIANTS8 = ("auto", "mma", "wg", "wgr", *_WGB)
+_VARIANTS8 = ("auto", "mma", "wgbp")
 
 
 def set_variant8(name):
@@ -2665,10 +1490,8 @@ def set_variant8(name):
 def _kernel8(D, has_mask, wg=None, per_tok=False):
     key = (D, bool(has_mask), wg, bool(per_tok))
     kern = _kernels8.get(key)
-    if kern is None and wg in _WGB:
-        kern = _kernels8[key] = _make_kernel8_wgb(D, bool(has_mask), QTOK=bool(per_tok), **_WGB[wg])
     if kern is None:
-        kern = _kernels8[key] = (_make_kernel8_wg(D, bool(has_mask), 168 if wg == "wgr" else None) if wg
+        kern = _kernels8[key] = (_make_kernel8_wgb(D, bool(has_mask), QTOK=bool(per_tok)) if wg == "wgbp"
                                  else _make_kernel8(D, bool(has_mask), bool(per_tok)))
     return kern
 
@@ -3003,12 +1826,8 @@ def numba_attention_8bit(q, k, v, mask=None, out=None):
         v = v.contiguous()
     v8 = ("mma" if _rt.SIMULATOR else _AUTO8) if _variant8 == "auto" else _variant8
     wg = v8 if (v8 != "mma" and _wg_ok(D, q.device)) else None
-    if pk is not None and wg not in _WGB:
-        wg = None               # the pack's per-token scales: the mma kernel or the wgb family (QTOK)
-    if wg in _WGB and pk is None and _PREPASS != "numba":
-        wg = "wg"
     kern = _kernel8(D, mask is not None, wg, pk is not None)
-    BNt = kern.tile_kv if wg in _WGB else 0     # wgb: K8 and V as tile images for the bulk copies
+    BNt = kern.tile_kv if wg else 0     # wgbp: K8 and V as tile images for the bulk copies
     if pk is not None:  # fused: qk_norm_rope already wrote int8 Q/K + per-token scales
         Lp = pk.Lp
         arrs = pk.views.get("attn8")
@@ -3019,12 +1838,9 @@ def numba_attention_8bit(q, k, v, mask=None, out=None):
             ent, Lk = _prepass(q, k, tiled=BNt, konly=True)
             assert Lk == Lp, (Lk, Lp)
             k8a, ksa = ent[7], ent[9]
-    elif _PREPASS == "numba":
+    else:
         ent, Lp = _prepass(q, k, tiled=BNt)     # K8 straight in the tile layout when BNt
         q8a, k8a, qsa, ksa = ent[6], ent[7], ent[8], ent[9]
-    else:
-        q8, k8, qs, ks, Lp = quantize_8bit(q, k)
-        q8a, k8a, qsa, ksa = _arr(q8), _arr(k8), _c_arr(qs), _c_arr(ks)
     dst = out
     if dst is None or dst.stride(-1) != 1 or dst.stride(1) % 2 or dst.stride(0) % 2 or dst.data_ptr() % 4:
         dst = torch.empty((B, L, H * D), dtype=q.dtype, device=q.device)
