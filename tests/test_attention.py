@@ -218,14 +218,10 @@ def test_attention_8bit(B, H, L, masked):
     assert e < 3e-2, e
 
 
-def test_attention_numba_8warp_variant():
-    B, H, L, D = 1, 1, 40, 32   # 128-row query block, ragged
+def test_attention_numba_8warp_config():
+    B, H, L, D = 1, 1, 40, 32   # 128-row query block (8 warps sharing each K / V tile), ragged
     q, k, v = make(B, H, L, D, seed=12)
-    A.set_variant("8w")
-    try:
-        o = run_numba("numba", q, k, v)
-    finally:
-        A.set_variant("auto")
+    o = A.numba_attention(q, k, v, config=A.Bf16Config("mma", rows=128, keys=64))
     assert not torch.isnan(o).any()
     assert rel(o, ref32(q, k, v)) < 1.2e-2
 
@@ -370,44 +366,53 @@ def test_wgmma_descriptor_layout(kind, N, transb):
     assert np.allclose(d, ref.numpy(), rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("var,L", [("wgbp", 40), ("wgbp", 400)])
-def test_attention_8bit_wgmma(var, L):
-    # wgbp: 128-key tiles through tile_kv + bulk copies, 2 ping-pong warpgroups (L=400: the ring
+@pytest.mark.parametrize("L", [40, 400])
+def test_attention_8bit_wgmma(L):
+    # int8 wgmma: 128-key tiles through tile_kv + bulk copies, 2 ping-pong warpgroups (L=400: the ring
     # wraps, ragged)
     B, H, D = 1, 1, 32
     if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
     q, k, v = make(B, H, L, D, seed=17)
     k = (k + 3.0).to(torch.bfloat16)
-    A.set_variant8(var)
-    try:
-        out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
-        run_numba("numba-8bit", q, k, v, out=out)
-    finally:
-        A.set_variant8("auto")
+    out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    A.numba_attention_8bit(q, k, v, out=out, config=A.configs.INT8_WGMMA)
     assert not torch.isnan(out).any()
     assert rel(out, ref32(q, k, v)) < 3e-2
 
 
-def _run_variant(var, q, k, v, mask=None, out=None):
-    A.set_variant(var)
-    try:
-        return run_numba("numba", q, k, v, mask, out=out)
-    finally:
-        A.set_variant("auto")
+def test_select_and_configs():
+    """One select per dtype: the wgmma kernels on sm_90 at head dim 128, the mma kernels elsewhere;
+    configs are frozen and reject settings their kernel cannot run."""
+    C = A.configs
+    assert A.select_bf16((9, 0), 128) == C.BF16_WGMMA and A.select_int8((9, 0), 128) == C.INT8_WGMMA
+    for cc, D in (((9, 0), 64), ((8, 0), 128), ((8, 9), 128), ((10, 0), 128)):
+        assert A.select_bf16(cc, D) == C.BF16_MMA and A.select_int8(cc, D) == C.INT8_MMA
+    with pytest.raises(Exception):
+        C.BF16_MMA.rows = 128
+    for bad in (lambda: A.Bf16Config("wgmma", rows=128, keys=128, warpgroups=2, stages=3),   # no bulk
+                lambda: A.Bf16Config("mma", rows=40, keys=64),
+                lambda: A.Int8Config("mma", rows=64, keys=128),
+                lambda: A.Bf16Config("w32", rows=128, keys=32)):
+        with pytest.raises((AssertionError, ValueError)):
+            bad()
+    k1 = A.build(C.BF16_MMA, 32, False)
+    assert A.build(C.BF16_MMA, 32, False) is k1 and (k1.rows, k1.threads, k1.tile_kv) == (64, 128, 0)
+    k2 = A.build(C.INT8_WGMMA, 32, False, per_token=True)
+    assert (k2.rows, k2.threads, k2.tile_kv) == (128, 256, 128)
 
 
 # ---------------------------------------------------------------- numba-8bit fed by qk_norm_rope(quant8=True)
-@pytest.mark.parametrize("var", ["auto", "wgbp"])
+@pytest.mark.parametrize("var", ["auto", "wgmma"])
 def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
     """q/k/v and the int8 pack from qk_norm_rope (txt + img parts, batch 2, ragged L = 41, K with a
     channel offset); the 8-bit kernel with per-token scales vs fp32 attention, unmasked and masked;
-    the pack is taken only for the very q/k objects it was made from.  wgbp: the Hopper kernel with
+    the pack is taken only for the very q/k objects it was made from.  wgmma: the Hopper kernel with
     the pack's Q8 + per-token Q scales and a K-only pre-pass (QTOK; in the simulator at D = 32, on
     the GPU only at D = 128 -> mma here)."""
     if var != "auto" and not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
-    monkeypatch.setattr(A, "_variant8", var)
+    cfg = A.configs.INT8_WGMMA if var == "wgmma" else None
     g = torch.Generator().manual_seed(5)
     B, H, D, L1, L2 = 2, 1, 32, 6, 35
     L = L1 + L2
@@ -434,7 +439,7 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
     for m in (None, bool_mask(L, 2, 1)):
         out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
         with A.prequantized(pk):
-            run_numba("numba-8bit", q, k, v, m, out=out)
+            A.numba_attention_8bit(q, k, v, m, out=out, config=cfg)
         assert got[-1] is pk
         assert not torch.isnan(out).any()
         r = ref32(q, k, v, m)
@@ -443,8 +448,8 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
         assert e < 2e-2, e
 
 
-@pytest.mark.parametrize("var,L,masked", [("wgpp128x2s3b", 400, True), ("wgpp128x2s3b", 20, False)])
-def test_attention_numba_wgmma_pipelined(var, L, masked):
+@pytest.mark.parametrize("L,masked", [(400, True), (20, False)])
+def test_attention_numba_wgmma_pipelined(L, masked):
     # the bf16 wgmma kernel (128-key tiles through tile_kv and bulk copies, 2 warpgroups, 3-stage
     # ring): L=400 wraps the ring (4 tiles, ragged, zero-padded last tile) under a bool mask;
     # L=20: one tile + the phantom S after the last
@@ -456,7 +461,7 @@ def test_attention_numba_wgmma_pipelined(var, L, masked):
     if masked:
         mask = bool_mask(L, 15, 5)
     out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
-    _run_variant(var, q, k, v, mask, out=out)
+    A.numba_attention(q, k, v, mask, out=out, config=A.configs.BF16_WGMMA)
     assert not torch.isnan(out).any()
     assert rel(out, ref32(q, k, v, mask)) < 1.2e-2
 
@@ -477,7 +482,8 @@ for name in ("qk_norm_rope q8", "qk kmean"):
     assert "shfl.sync" in ptx and ".local" not in ptx, name
 I32, F32, i64 = nt.Array(nt.int32, 1, "A"), nt.Array(nt.float32, 1, "A"), nt.int64
 sig = (I32, I32, I32, F32, F32, I32, F32) + (i64,) * 11 + (nt.float64,)
-ptx, _ = cuda.compile_ptx(A._make_kernel8(32, True, True).py_func, sig, cc=(9, 0), fastmath=True)
+ptx, _ = cuda.compile_ptx(A.build(A.configs.INT8_MMA, 32, True, per_token=True).kern.py_func, sig, cc=(9, 0),
+                          fastmath=True)
 assert "mma.sync.aligned.m16n8k32" in ptx and "cp.async.cg" in ptx
 print("PTX OK")
 '''
@@ -545,7 +551,7 @@ def test_attention_numba_default_hopper_d128(B, H, L, masked, strided):
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
     else:
         q, k, v = make(B, H, L, D, seed=L)
-    assert A._warps(D, q.device) == "wgpp128x2s3b"
+    assert A.select_bf16(A.capability(q.device), D) == A.configs.BF16_WGMMA
     mask = bool_mask(L, 7, 1) if masked else None
     buf = torch.full((B, L, H * D + 64), float("nan"), dtype=torch.bfloat16, device=DEV)
     out = run_numba("numba", q, k, v, mask, out=buf[..., :H * D])
@@ -563,7 +569,7 @@ def test_attention_numba_default_hopper_d128(B, H, L, masked, strided):
                                                 (1, 2, 64, False, False), (1, 3, 333, False, True),
                                                 (2, 2, 700, False, True), (1, 2, 150, True, True)])
 def test_attention_8bit_default_hopper_d128(B, H, L, masked, fused):
-    # the 8-bit op's default on Hopper at head dim 128: wgbp (ping-pong warpgroups, 4-stage ring,
+    # the 8-bit op's default on Hopper at head dim 128: the int8 wgmma kernel (ping-pong warpgroups, 4-stage ring,
     # K8 written tiled by the pre-pass); fused: fed a qk_norm_rope-style per-token Quant8 pack
     # (QTOK: its Q8 + per-token Q scales, K from a K-only pre-pass); ragged tails, partial tiles, masks
     _hopper_gpu_only("test_attention_8bit_wgmma, test_attention_8bit_fused_quant8_pack")

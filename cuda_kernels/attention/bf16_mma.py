@@ -1,10 +1,12 @@
 """bf16 attention kernel on mma.sync (every GPU with sm_80+, any head dim <= 128)."""
 from .launch import cuda, int32, float32, _mma, _math
-from .launch import SMEM_ALIGN, _BN, _NW, _LOG2E
+from .launch import SMEM_ALIGN, _LOG2E, Kernel
 
 
-def _make_kernel(D, has_mask, NW=_NW):
-    BN = _BN
+def make(cfg, D, has_mask):
+    """The kernel for ``cfg`` (a Bf16Config of kind "mma"), head dim D -> ``Kernel``."""
+    BN = cfg.keys
+    NW = cfg.rows // 16
     BM = 16 * NW           # one warp per 16 query rows
     NTH = NW * 32
     DW = D // 2            # 32-bit words per row
@@ -212,4 +214,4 @@ def _make_kernel(D, has_mask, NW=_NW):
             for nt in range(DT):
                 o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
 
-    return kern
+    return Kernel(kern, rows=BM, threads=NTH)

@@ -1,12 +1,12 @@
 """bf16 attention kernel on wgmma (Hopper, head dim 128 on the GPU)."""
 from .. import runtime as _rt
 from .launch import cuda, int32, int64, float32, _mma
-from .launch import SMEM_ALIGN_WG
+from .launch import SMEM_ALIGN_WG, Kernel
 from .softmax import _make_softmax
 from .tile_kv import _make_issue
 
 
-def _make_kernel_wgpp(D, has_mask, NWG=2, BN=128, STAGES=3):
+def make(cfg, D, has_mask):
     """The bf16 wgmma kernel (Hopper): NWG warpgroups x 64 query rows share each BN-key K / V
     tile; S(j+1) = Q K(j+1)^T and O += P(j) V(j) are issued back to back (FA3's intra-warpgroup
     overlap), the softmax of tile j+1 runs after wgmma.wait_group 1 (S done) while P V still
@@ -14,7 +14,9 @@ def _make_kernel_wgpp(D, has_mask, NWG=2, BN=128, STAGES=3):
     ``tile_kv`` (each BN-key tile = the TB bytes of its shared-memory image, zero past L): thread
     0 moves a tile with two cp.async.bulk copies into a STAGES-deep ring; they complete on the
     stage's mbarrier, which every thread waits on (no per-thread K/V loads).  A ring over 48 KB
-    lives in dynamic shared memory (the launcher opts in first: _dyn_optin)."""
+    lives in dynamic shared memory (the launcher opts in first).  cfg: a Bf16Config of kind "wgmma"
+    (warpgroups, keys = BN, stages) -> ``Kernel`` (tile_kv = BN: k / v come as tile images)."""
+    NWG, BN, STAGES = cfg.warpgroups, cfg.keys, cfg.stages
     assert STAGES >= 3
     BM = 64 * NWG
     NTH = 128 * NWG
@@ -198,8 +200,4 @@ def _make_kernel_wgpp(D, has_mask, NWG=2, BN=128, STAGES=3):
             for nt in range(DT):
                 o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
 
-    kern.dyn_smem = STAGES * SB if DYN else 0
-    kern.tile_kv = BN                      # the launcher passes tile_kv(k / v, BN)
-    kern.nth = NTH
-    kern.rows = BM
-    return kern
+    return Kernel(kern, rows=BM, threads=NTH, tile_kv=BN, dyn_smem=STAGES * SB if DYN else 0)

@@ -1,14 +1,16 @@
 """8-bit attention kernel on mma.sync (int8 Q K^T, bf16 P V)."""
 from .launch import cuda, int32, float32, _mma, _math
-from .launch import SMEM_ALIGN, _BM, _BN, _NW, _LOG2E
+from .launch import SMEM_ALIGN, _BN, _LOG2E, Kernel
 
 
-def _make_kernel8(D, has_mask, per_tok=False):
+def make(cfg, D, has_mask, per_tok=False):
     """per_tok: qsc / ksc are per-token scales [B*H*Lp] (qk_norm_rope's Quant8): K's of a tile are
     staged in shared memory with the K tile (double-buffered), S' = int32 * k_scale[col] and the
     row scale rides in the exp2 argument: exp2(S' * qr - max' * qr) (one FFMA, as many FMULs as the
-    per-block path).  Else Q per 16 rows / K per 64-token tile (the pre-pass's scales)."""
-    BM, BN, NW = _BM, _BN, _NW
+    per-block path).  Else Q per 16 rows / K per 64-token tile (the pre-pass's scales).
+    cfg: an Int8Config of kind "mma" -> ``Kernel``."""
+    BM, BN, NW = cfg.rows, cfg.keys, cfg.rows // 16
+    assert BN == _BN, "the pre-pass's K scales are per 64 keys"
     PER_TOK = per_tok
     KSW = 2 * BN if per_tok else 4
     NTH = NW * 32
@@ -253,4 +255,4 @@ def _make_kernel8(D, has_mask, per_tok=False):
             for nt in range(DT):
                 o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
 
-    return kern
+    return Kernel(kern, rows=BM, threads=NTH)

@@ -1,12 +1,12 @@
 """8-bit attention kernel on wgmma (Hopper, head dim 128 on the GPU)."""
 from .. import runtime as _rt
 from .launch import cuda, int32, int64, float32, _mma
-from .launch import SMEM_ALIGN_WG
+from .launch import SMEM_ALIGN_WG, Kernel
 from .softmax import _make_softmax
 from .tile_kv import _make_issue
 
 
-def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=4, QTOK=False):
+def make(cfg, D, has_mask, QTOK=False):
     """Hopper 8-bit kernel (variant ``wgbp``) on the bf16 default's structure: 2 warpgroups x 64
     query rows, BN-key tiles in a STAGES ring fed by bulk copies (mbarriers), S(j+1)
     issued with P(j) V(j).  S = Q8 K8^T on wgmma m64nBNk32 s8 (exact int32) x (per-16-row Q scale
@@ -22,8 +22,11 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=4, QTOK=False):
     QTOK: per-token Q scales (qsc [B*H*Lp]: qk_norm_rope's fused Quant8, whose Q8 is q), K8 and
     its per-64-key scales from the K-only pre-pass (the per-token K scales would cost a scale per
     column: measured 0.80 ms against 0.49 with them read from L1): each thread's two rows get
-    their own factors, f(row, half) = q_scale[row] x k_scale[half]."""
+    their own factors, f(row, half) = q_scale[row] x k_scale[half].
+    cfg: an Int8Config of kind "wgmma" (keys = BN, stages) -> ``Kernel`` (tile_kv = BN)."""
+    BN, STAGES = cfg.keys, cfg.stages
     NWG = 2
+    assert cfg.warpgroups == NWG and cfg.ping_pong and cfg.bulk
     BM = 64 * NWG
     NTH = 128 * NWG
     CH8 = D // 16
@@ -230,8 +233,4 @@ def _make_kernel8_wgb(D, has_mask, BN=128, STAGES=4, QTOK=False):
             for nt in range(DT):
                 o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
 
-    kern.dyn_smem = STAGES * SB if DYN else 0
-    kern.tile_kv = BN
-    kern.rows = BM
-    kern.nth = NTH
-    return kern
+    return Kernel(kern, rows=BM, threads=NTH, tile_kv=BN, dyn_smem=STAGES * SB if DYN else 0)

@@ -1,7 +1,13 @@
-"""Launch plumbing shared by the attention kernels: numba array views of torch tensors, the mask
-conversion, the >48 KB dynamic shared memory opt-in and the launch on torch's stream; the
-constants every kernel shares."""
+"""Launch plumbing shared by the attention kernels (the bottom layer of the package).
+
+``Kernel``: what every factory returns -- the numba kernel and its launch geometry (query rows
+per block, threads, whether K / V come as ``tile_kv`` images, dynamic shared memory).
+Numba array views of torch tensors, the mask conversion (one additive fp32 [Bm, Hm, L, L] view,
+broadcast with stride 0), the output buffer, and the launch on torch's stream with the
+> 48 KB dynamic shared memory opt-in.  Constants every kernel shares: the pre-pass granularity
+(Q scales per 16 rows, K scales per 64 keys), log2(e), shared-memory alignments."""
 import math as _math
+from dataclasses import dataclass
 
 import torch
 
@@ -13,14 +19,27 @@ try:  # numba is a hard requirement of the numba backends only; the reference ne
 except Exception:  # pragma: no cover - reported by runtime.numba_status()
     cuda = int32 = int64 = float32 = _mma = None
 
-_BM = 64
-_BN = 64
+_BM = 64                # the int8 mma kernel's query rows; the pre-pass's Q-tile
+_BN = 64                # ... key tile = the K-scale granularity of the pre-pass
 _NW = 4
 _LOG2E = 1.4426950408889634
 # ldmatrix rows and cp.async destinations must be 16-byte aligned (numba's default is the dtype's);
 # the simulator rejects the alignment argument, and checks the alignment itself (mma.py).
 SMEM_ALIGN = None if _rt.SIMULATOR else 16
 SMEM_ALIGN_WG = None if _rt.SIMULATOR else 1024
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A built attention kernel: ``kern[grid, threads, stream, dyn_smem](*args)`` with grid
+    (ceil(L / rows), B * H).  tile_kv > 0: K and V are passed as ``tile_kv(x, tile_kv)`` images
+    (the bulk-copy kernels).  dyn_smem > 0: that many bytes of dynamic shared memory, opted in
+    once per device before the first launch."""
+    kern: object
+    rows: int
+    threads: int
+    tile_kv: int = 0
+    dyn_smem: int = 0
 
 
 def normalize_mask(mask):
@@ -100,10 +119,10 @@ def _dwords(t):
     return cuda.as_cuda_array(flat.detach(), sync=False)
 
 
-def _launch(kern, q, k, v, dst, marr, mst, rows, nth):
-    """One launch of a bf16 attention kernel over [B, H, L, D] (grid: query-row blocks x B*H)."""
+def _launch(kernel, q, k, v, dst, marr, mst):
+    """One launch of a bf16 attention ``Kernel`` over [B, H, L, D] (k / v already tiled when the
+    kernel wants tile images)."""
     B, H, L, D = q.shape
-    grid = ((L + rows - 1) // rows, B * H)
     sl2 = _LOG2E / _math.sqrt(D)
     args = (_words(q), _words(k), _words(v), _words(dst), marr,
             q.stride(0) // 2, q.stride(1) // 2, q.stride(2) // 2,
@@ -111,18 +130,38 @@ def _launch(kern, q, k, v, dst, marr, mst, rows, nth):
             v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
             dst.stride(0) // 2, dst.stride(1) // 2,
             mst[0], mst[1], mst[2], L, H, sl2)
-    _go(kern, grid, nth, args, q.device)
+    _go(kernel, L, B * H, args, q.device)
 
 
-def _go(kern, grid, nth, args, dev):
-    """Launch on torch's stream; a kernel with > 48 KB of dynamic shared memory (``dyn_smem``) is
-    opted in once per device first."""
-    dyn = getattr(kern, "dyn_smem", 0)
-    if dyn:
-        _dyn_optin(kern, args, dyn, dev)
-        kern[grid, nth, _rt.stream(), dyn](*args)
+def _go(kernel, L, BH, args, dev):
+    """Launch ``kernel`` over L query rows x BH heads on torch's stream (dynamic shared memory
+    opted in first)."""
+    grid = ((L + kernel.rows - 1) // kernel.rows, BH)
+    if kernel.dyn_smem:
+        _dyn_optin(kernel.kern, args, kernel.dyn_smem, dev)
+        kernel.kern[grid, kernel.threads, _rt.stream(), kernel.dyn_smem](*args)
     else:
-        kern[grid, nth, _rt.stream()](*args)
+        kernel.kern[grid, kernel.threads, _rt.stream()](*args)
+
+
+def _mask_args(mask, B, H, L, dev):
+    """(numba view, [s0, s1, s2] strides) of the additive mask; a 1-element stand-in when None."""
+    if mask is not None:
+        m, mst = _prep_mask(mask, B, H, L, dev)
+        return _f32_1d(m), mst
+    marr = _dummy_mask.get(dev)
+    if marr is None:
+        marr = _dummy_mask[dev] = _f32_1d(torch.zeros(1, dtype=torch.float32, device=dev))
+    return marr, [0, 0, 0]
+
+
+def _out_buffer(out, q):
+    """``out`` when the kernels can store into it (16-bit pairs, unit last stride), else a new
+    [B, L, H*D] buffer (copied into ``out`` after the launch)."""
+    B, H, L, D = q.shape
+    if out is None or out.stride(-1) != 1 or out.stride(1) % 2 or out.stride(0) % 2 or out.data_ptr() % 4:
+        return torch.empty((B, L, H * D), dtype=q.dtype, device=q.device)
+    return out
 
 
 def _arr(t):
