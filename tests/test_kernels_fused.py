@@ -384,6 +384,27 @@ def test_cache_key_includes_sources_and_options():
     assert k1 != k2 and len(ik.source_hash()) == 16
 
 
+def test_cache_key_covers_the_attention_package(tmp_path):
+    """source_hash covers the files in cuda_kernels/ subfolders (attention/): an edit there must
+    change the key, or a stale kernel would load."""
+    import os
+    import shutil
+    here = os.path.dirname(os.path.abspath(ik.__file__))
+    assert ik.source_hash() == ik.tree_hash(here)
+    tree = tmp_path / "ck"
+    shutil.copytree(here, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    h0 = ik.tree_hash(tree)
+    assert h0 == ik.source_hash()
+    f = tree / "attention" / "softmax.py"
+    src = f.read_bytes()
+    f.write_bytes(src + b"# edited\n")
+    assert ik.tree_hash(tree) != h0
+    f.write_bytes(src)
+    assert ik.tree_hash(tree) == h0
+    (tree / "attention" / "new_kernel.py").write_text("X = 1\n")      # a new file counts too
+    assert ik.tree_hash(tree) != h0
+
+
 # ------------------------------------------------------ qk_norm_rope(quant8=True): 8-bit attention prologue
 @pytest.fixture
 def poison_int8(monkeypatch):
