@@ -288,7 +288,8 @@ class _Runner:
         sig = (kind, tuple(img.shape), img.dtype, img.device, None if txt is None else tuple(txt.shape),
                None if mask is None else tuple(mask.shape))
         ctx = self.blocks.BlockContext(fused=self.fused, attention=self._attention(topts, sig), silu_cache=self.silu_cache,
-                           gemm_epilogue=self.fused and self.opts["backend"] == "auto" and self.opts["route_norms"])
+                           gemm_epilogue=self.fused and self.opts["backend"] == "auto" and self.opts["route_norms"],
+                           quant8=self.policy.get(ATTENTION_OP) == "numba-8bit")
         policy = self.policy
         choice = self.attn_choice.get(sig)
         if self.attn_route == "auto" and choice not in (None, REFERENCE_NAME):

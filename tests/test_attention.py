@@ -403,16 +403,19 @@ def test_select_and_configs():
 
 
 # ---------------------------------------------------------------- numba-8bit fed by qk_norm_rope(quant8=True)
-@pytest.mark.parametrize("var", ["auto", "wgmma"])
+@pytest.mark.parametrize("var", ["auto", "wgmma", "wgmma-q", "mma-q"])
 def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
     """q/k/v and the int8 pack from qk_norm_rope (txt + img parts, batch 2, ragged L = 41, K with a
-    channel offset); the 8-bit kernel with per-token scales vs fp32 attention, unmasked and masked;
-    the pack is taken only for the very q/k objects it was made from.  wgmma: the Hopper kernel with
-    the pack's Q8 + per-token Q scales and a K-only pre-pass (QTOK; in the simulator at D = 32, on
-    the GPU only at D = 128 -> mma here)."""
-    if var != "auto" and not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
+    channel offset), passed as the op's q8 argument; the 8-bit kernel with per-token scales vs fp32
+    attention, unmasked and masked; the pack is taken only for the very q/k objects it was made
+    from.  wgmma: the Hopper kernel with the pack's Q8 + per-token Q scales and a K-only pre-pass
+    (QTOK; in the simulator at D = 32, on the GPU only at D = 128 -> mma here).  "-q": a Q-only
+    pack (quant8="q": Q8 and its scales equal the full pack's, no K8): the wgmma kernel takes it,
+    the mma kernel (which reads K8) declines it and runs its pre-pass."""
+    if var.startswith("wgmma") and not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
-    cfg = A.configs.INT8_WGMMA if var == "wgmma" else None
+    cfg = {"auto": None, "wgmma": A.configs.INT8_WGMMA, "wgmma-q": A.configs.INT8_WGMMA,
+           "mma-q": A.configs.INT8_MMA}[var]
     g = torch.Generator().manual_seed(5)
     B, H, D, L1, L2 = 2, 1, 32, 6, 35
     L = L1 + L2
@@ -426,21 +429,25 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
     try:
         with registry.force("numba", ops=["qk_norm_rope"]):
             q, k, v, pk = registry.call("qk_norm_rope", [(txt, s[0], s[1]), (img, s[2], s[3])], pe, H, 1e-6, quant8=True)
+        if var.endswith("-q"):
+            q8_full, qs_full = pk.q8.clone(), pk.qs.clone()
+            with registry.force("numba", ops=["qk_norm_rope"]):
+                q, k, v, pk = registry.call("qk_norm_rope", [(txt, s[0], s[1]), (img, s[2], s[3])], pe, H, 1e-6,
+                                            quant8="q")
+            assert pk.k8 is None and pk.ks is None
+            assert torch.equal(pk.q8, q8_full) and torch.equal(pk.qs, qs_full)
     finally:
         registry.strict = False
     assert pk is not None
-    assert A._pending_pack(q, k) is None  # nothing offered
-    with A.prequantized(pk):
-        assert A._pending_pack(q, k) is pk
-        assert A._pending_pack(q.clone(), k) is None and A._pending_pack(q, k.clone()) is None
+    assert A.usable_pack(pk, q, k, needs_k=False) is pk and A.usable_pack(None, q, k, needs_k=False) is None
+    assert A.usable_pack(pk, q.clone(), k, False) is None and A.usable_pack(pk, q, k.clone(), False) is None
     got = []
-    orig = A._pending_pack
-    monkeypatch.setattr(A, "_pending_pack", lambda q_, k_: got.append(orig(q_, k_)) or got[-1])
+    orig = A.usable_pack
+    monkeypatch.setattr(A, "usable_pack", lambda *a_, **kw_: got.append(orig(*a_, **kw_)) or got[-1])
     for m in (None, bool_mask(L, 2, 1)):
         out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
-        with A.prequantized(pk):
-            A.numba_attention_8bit(q, k, v, m, out=out, config=cfg)
-        assert got[-1] is pk
+        A.numba_attention_8bit(q, k, v, m, out=out, q8=pk, config=cfg)
+        assert got[-1] is (None if var == "mma-q" else pk)
         assert not torch.isnan(out).any()
         r = ref32(q, k, v, m)
         e, e16 = rel(out, r), rel(A.reference(q, k, v, m).float(), r)
@@ -475,7 +482,7 @@ import numba.cuda.dispatcher as _d
 _d.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
 from numba import cuda, types as nt
 from flux_numba_pack.cuda_kernels import qk_norm_rope as QK, attention as A
-for name in ("qk_norm_rope q8", "qk kmean"):
+for name in ("qk_norm_rope q8", "qk_norm_rope q8 q only", "qk kmean"):
     disp, sig = QK.PTX_CASES[name]()
     ptx, _ = cuda.compile_ptx(disp.py_func, sig, cc=(9, 0), fastmath=True,
                               launch_bounds=disp.targetoptions.get("launch_bounds"))
@@ -582,8 +589,7 @@ def test_attention_8bit_default_hopper_d128(B, H, L, masked, fused):
     if fused:
         q8, k8, qs, ks, Lp, km = QK.quant8_reference(q, k)
         pk = QK.Quant8(q, k, q8, k8, qs.contiguous(), ks.contiguous(), km, Lp, {})
-        with A.prequantized(pk):
-            run_numba("numba-8bit", q, k, v, mask, out=out)
+        run_numba("numba-8bit", q, k, v, mask, out=out, q8=pk)
     else:
         run_numba("numba-8bit", q, k, v, mask, out=out)
     assert not torch.isnan(out).any()

@@ -1,9 +1,11 @@
 """Non-causal multi-head attention in FLUX's layout.
 
-``attention(q, k, v, mask=None, out=None) -> [B, L, H*D]``
+``attention(q, k, v, mask=None, out=None, q8=None) -> [B, L, H*D]``
   q, k, v: [B, H, L, D] (RoPE already applied); mask: None, bool or additive float,
   [L, L] / [B, L, L] / [B, H, L, L] (ComfyUI's rules); scale 1/sqrt(D).
   out: optional [B, L, H*D] view to write into (the single block's linear2 input buffer).
+  q8: optional ``int8_format.Quant8`` of these very q / k (qk_norm_rope(quant8=True)): the 8-bit
+      backend uses it instead of its pre-pass; every other backend ignores it.
 FLOPs: 4 * B * H * L^2 * D; [1,24,4608,128]: 261 GFLOP -> 0.35 ms at 750 TFLOP/s.
 
 Backends (both opt-in, ``auto=False``: cuDNN's SDPA is faster at FLUX shapes; forced by the node's
@@ -40,10 +42,11 @@ stored; key columns >= L get -3e38 before the max.  The mask becomes one additiv
 [Bm, Hm, L, L] view (bool -> 0 / -1e30, floats clamped to >= -1e30: fast-math, no infinities),
 broadcast with stride 0; a fully masked row averages V uniformly (SDPA gives NaN).
 
-8-bit hand-off: flux_core.blocks asks ``qk_norm_rope(..., quant8=True)`` when its attention is the
-8-bit op; that pass also writes int8 Q / K with per-token scales (a ``Quant8``), offered to exactly
-one attention call (``prequantized``).  The mma kernel then takes the whole pack; the wgmma kernel
-takes its Q8 + per-token Q scales and quantizes K itself (per-64-key scales, in the tile layout).
+8-bit hand-off, an explicit value: flux_core.blocks decides from its options (``BlockContext.quant8``)
+to ask ``qk_norm_rope(..., quant8=...)`` for int8 Q / K with per-token scales (a ``Quant8``) and
+passes it to this op as ``q8``.  The mma kernel takes the whole pack; the wgmma kernel takes its
+Q8 + per-token Q scales and quantizes K itself (per-64-key scales, in the tile layout), so the
+block asks for Q only when ``int8_wants_k(device, head dim)`` is False.
 """
 import math
 
@@ -55,14 +58,15 @@ from ..registry import registry
 from .launch import (normalize_mask, Kernel, _cp_ok, _words_ok, _words, _f32_1d, _arr, _c_arr,  # noqa: F401
                      _launch, _go, _mask_args, _out_buffer, _LOG2E, _BN)
 from .tile_kv import tile_kv, tile_kv_reference  # noqa: F401
-from .int8_format import quantize_8bit, quantize_8bit_numba, _prepass, _kmean_index  # noqa: F401
+from .int8_format import (Quant8, quant8_reference, kmean_index, usable_pack, operands,  # noqa: F401
+                          quantize_8bit, quantize_8bit_numba, _prepass)
 from . import config as configs  # noqa: F401  (the module; ``config`` is the backends' keyword)
 from .config import Bf16Config, Int8Config, build, select_bf16, select_int8, wgmma_ok  # noqa: F401
 
 OP = "attention"
 
 
-def reference(q, k, v, mask=None, out=None):
+def reference(q, k, v, mask=None, out=None, q8=None):
     B, H, L, D = q.shape
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=normalize_mask(mask), dropout_p=0.0, is_causal=False)
     o = o.transpose(1, 2).reshape(B, L, H * D)
@@ -98,7 +102,7 @@ def _resolve(cfg, select, q):
     return cfg
 
 
-def check(q, k, v, mask=None, out=None):
+def check(q, k, v, mask=None, out=None, q8=None):
     why = _rt.device_ok(q, k, v, mask, out)
     if why:
         return why
@@ -130,8 +134,9 @@ def _finish(dst, out):
     return dst
 
 
-def numba_attention(q, k, v, mask=None, out=None, config=None):
-    """The ``numba`` backend; ``config`` (a Bf16Config, benchmarks / tests) overrides the selection."""
+def numba_attention(q, k, v, mask=None, out=None, q8=None, config=None):
+    """The ``numba`` backend (q8 ignored); ``config`` (a Bf16Config, benchmarks / tests) overrides
+    the selection."""
     B, H, L, D = q.shape
     cfg = _resolve(config, select_bf16, q)
     kernel = build(cfg, D, mask is not None)
@@ -147,37 +152,7 @@ def numba_attention(q, k, v, mask=None, out=None, config=None):
 registry.register_backend(OP, "numba", numba_attention, check=check, priority=10, auto=False)
 
 
-# ---- hand-off from qk_norm_rope(quant8=True): flux_core.blocks wraps exactly one attention call in
-# ``prequantized(pack)``; numba-8bit takes the pack only for the very q / k it was made from.
-import contextlib as _contextlib
-import threading as _threading
-
-_q8_local = _threading.local()
-
-
-@_contextlib.contextmanager
-def prequantized(pack):
-    """Offer ``pack`` (a qk_norm_rope Quant8, or None) to the numba-8bit attention calls inside."""
-    prev = getattr(_q8_local, "pack", None)
-    _q8_local.pack = pack
-    try:
-        yield
-    finally:
-        _q8_local.pack = prev
-
-
-def _pending_pack(q, k):
-    pk = getattr(_q8_local, "pack", None)
-    if pk is None or pk.q is not q or pk.k is not k:
-        return None
-    B, H, L, D = q.shape
-    if k.shape != q.shape or tuple(pk.q8.shape) != (B, H, pk.Lp, D) or pk.Lp < L or pk.Lp % _BN \
-            or pk.q8.device != q.device or pk.qs.numel() != B * H * pk.Lp:
-        return None
-    return pk
-
-
-def check_8bit(q, k, v, mask=None, out=None):
+def check_8bit(q, k, v, mask=None, out=None, q8=None):
     why = check(q, k, v, mask, out)
     if why:
         return why
@@ -186,34 +161,28 @@ def check_8bit(q, k, v, mask=None, out=None):
     return None
 
 
-def numba_attention_8bit(q, k, v, mask=None, out=None, config=None):
-    """The ``numba-8bit`` backend; ``config`` (an Int8Config) overrides the selection."""
+def int8_wants_k(dev, D):
+    """Whether the 8-bit kernel selected for ``dev`` at head dim D reads a pack's K8 (the mma
+    kernel) or only its Q8 + Q scales (the wgmma kernel quantizes K itself, in its tile layout)."""
+    return select_int8(capability(dev), D).kind == "mma"
+
+
+def numba_attention_8bit(q, k, v, mask=None, out=None, q8=None, config=None):
+    """The ``numba-8bit`` backend: ``q8`` (a Quant8 of these q / k) replaces the pre-pass;
+    ``config`` (an Int8Config) overrides the selection."""
     B, H, L, D = q.shape
-    pk = _pending_pack(q, k)
     cfg = _resolve(config, select_int8, q)
+    pk = usable_pack(q8, q, k, needs_k=cfg.kind == "mma")
     kernel = build(cfg, D, mask is not None, per_token=pk is not None)
     if not all(_words_ok(x) for x in (q, k)):
         q, k = q.contiguous(), k.contiguous()
     if not _cp_ok(v):
         v = v.contiguous()
-    BNt = kernel.tile_kv                # wgmma: K8 and V as tile images for the bulk copies
-    if pk is not None:  # fused: qk_norm_rope already wrote int8 Q/K + per-token scales
-        Lp = pk.Lp
-        arrs = pk.views.get("attn8")
-        if arrs is None:  # numba views cached with the (scratch) buffers
-            arrs = pk.views["attn8"] = (_arr(pk.q8), _arr(pk.k8), _c_arr(pk.qs), _c_arr(pk.ks))
-        q8a, k8a, qsa, ksa = arrs
-        if BNt:         # Q8 + per-token Q scales from the pack; K8 tiled + per-64-key scales here
-            ent, Lk = _prepass(q, k, tiled=BNt, konly=True)
-            assert Lk == Lp, (Lk, Lp)
-            k8a, ksa = ent[7], ent[9]
-    else:
-        ent, Lp = _prepass(q, k, tiled=BNt)     # K8 straight in the tile layout when BNt
-        q8a, k8a, qsa, ksa = ent[6], ent[7], ent[8], ent[9]
+    (q8a, k8a, qsa, ksa), Lp = operands(q, k, pk, kernel.tile_kv)
     dst = _out_buffer(out, q)
     marr, mst = _mask_args(mask, B, H, L, q.device)
-    if BNt:
-        v = tile_kv(v, None, BNt)[0]
+    if kernel.tile_kv:                  # wgmma: V as tile images for the bulk copies
+        v = tile_kv(v, None, kernel.tile_kv)[0]
     args = (q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,
             v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
             dst.stride(0) // 2, dst.stride(1) // 2, mst[0], mst[1], mst[2], L, Lp, H, _LOG2E / math.sqrt(D))

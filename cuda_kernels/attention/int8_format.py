@@ -1,4 +1,15 @@
-"""The int8 Q / K format of the 8-bit kernels and its pre-pass (torch reference + one Numba launch)."""
+"""The int8 Q / K format of the 8-bit kernels, shared with qk_norm_rope, and the pre-pass.
+
+Format: K smoothed by a per-(b, h) vector, the mean of the tokens ``kmean_index(L)`` (64 evenly
+spaced; softmax is invariant to any per-head shift of the keys, so no correction is needed --
+the mean only centres K's channel bias so int8 keeps its precision); int8 = round(x * 127 /
+absmax), rows past L zero, L padded to Lp = a multiple of 64.  Two scale layouts:
+  per block  (the pre-pass here): Q per 16 rows, K per 64 keys -- fp32 [B*H*Lp/16] / [B*H*Lp/64];
+  per token  (``Quant8``, written by qk_norm_rope(quant8=True) in its own pass): fp32 [B*H*Lp].
+The 8-bit op takes a ``Quant8`` as its ``q8`` argument (``usable_pack`` checks it fits the call);
+without one it runs the pre-pass: ONE Numba launch over Q and K (``quantize_8bit_numba``;
+``quantize_8bit`` is its torch reference), K8 optionally written straight in tile_kv's layout
+for the wgmma kernel, or K alone when a pack supplies Q."""
 import math
 
 import torch
@@ -8,19 +19,84 @@ from .. import runtime as _rt
 from .launch import cuda, int32, float32, _mma
 from .launch import _BN, _words, _words_ok, _arr, _c_arr
 
-_KMEAN_SAMPLES = 64
+KMEAN_SAMPLES = 64
 
 
-def _kmean_index(L):
+def kmean_index(L):
     """Token indices of K's smoothing mean: 64 evenly spaced tokens (all of them when L <= 64)."""
-    S = min(L, _KMEAN_SAMPLES)
+    S = min(L, KMEAN_SAMPLES)
     return [(i * L) // S for i in range(S)]
+
+
+class Quant8:
+    """int8 Q/K + per-(token, head) scales made from exactly ``q`` and ``k`` (qk_norm_rope's
+    quant8 pass).  q8/k8 int8 [B, H, Lp, D]; qs/ks fp32 [B*H*Lp]; kmean fp32 [B, H, D]; views: a
+    dict the consumer caches its numba views in.  The buffers are scratch cached per shape and
+    stream: the next call with that shape overwrites them (stream order keeps a consumer launched
+    before that safe)."""
+    __slots__ = ("q", "k", "q8", "k8", "qs", "ks", "kmean", "Lp", "views")
+
+    def __init__(self, q, k, q8, k8, qs, ks, kmean, Lp, views):
+        self.q, self.k, self.q8, self.k8, self.qs, self.ks = q, k, q8, k8, qs, ks
+        self.kmean, self.Lp, self.views = kmean, Lp, views
+
+
+def quant8_reference(q, k):
+    """Torch reference of the per-token format (from the bf16 q, k): (q8, k8, qs, ks, Lp, kmean)
+    laid out like Quant8 (pad rows zero, pad scales 1e-20/127)."""
+    B, H, L, D = q.shape
+    Lp = -(-L // 64) * 64
+    kf = k.float()
+    kmean = kf[:, :, kmean_index(L)].mean(dim=2)
+
+    def qz(x):
+        m = x.abs().amax(-1, keepdim=True).clamp_min(1e-20)
+        y = torch.floor(x * (127.0 / m) + 0.5).clamp_(-127, 127).to(torch.int8)
+        y = F.pad(y, (0, 0, 0, Lp - L))
+        sc = F.pad(m[..., 0] / 127.0, (0, Lp - L), value=1e-20 / 127.0)
+        return y, sc.reshape(-1)
+
+    q8, qs = qz(q.float())
+    k8, ks = qz(kf - kmean[:, :, None])
+    return q8, k8, qs, ks, Lp, kmean
+
+
+def usable_pack(pk, q, k, needs_k):
+    """``pk`` when it is a Quant8 of exactly these q / k (the same tensor objects, matching
+    shapes and device) and holds K8 if the kernel reads it (``needs_k``: the mma kernel), else
+    None (the op then runs the pre-pass)."""
+    if pk is None or pk.q is not q or pk.k is not k or (needs_k and pk.k8 is None):
+        return None
+    B, H, L, D = q.shape
+    if k.shape != q.shape or tuple(pk.q8.shape) != (B, H, pk.Lp, D) or pk.Lp < L or pk.Lp % _BN \
+            or pk.q8.device != q.device or pk.qs.numel() != B * H * pk.Lp:
+        return None
+    return pk
+
+
+def operands(q, k, pk, tiled):
+    """(q8, k8, q_scale, k_scale) numba views and Lp for the 8-bit kernels.  pk: a usable Quant8
+    or None; tiled: the wgmma kernel's key-tile width (K8 in tile_kv's layout), else 0."""
+    if pk is not None:  # qk_norm_rope already wrote int8 Q/K + per-token scales
+        key = "attn8" if pk.k8 is not None else "attn8 q"
+        arrs = pk.views.get(key)
+        if arrs is None:  # numba views cached with the (scratch) buffers
+            arrs = pk.views[key] = (_arr(pk.q8), None if pk.k8 is None else _arr(pk.k8), _c_arr(pk.qs),
+                                    None if pk.ks is None else _c_arr(pk.ks))
+        if not tiled:
+            return arrs, pk.Lp
+        # wgmma: the pack's Q8 + per-token Q scales; K8 tiled + per-64-key scales from here
+        ent, Lk = _prepass(q, k, tiled=tiled, konly=True)
+        assert Lk == pk.Lp, (Lk, pk.Lp)
+        return (arrs[0], ent[7], arrs[2], ent[9]), pk.Lp
+    ent, Lp = _prepass(q, k, tiled=tiled)       # K8 straight in the tile layout when tiled
+    return (ent[6], ent[7], ent[8], ent[9]), Lp
 
 
 def quantize_8bit(q, k, v=None, block_q=16, block_k=_BN):
     """Torch reference of the pre-pass: (q8, k8, q_scale, k_scale, Lp).  q8/k8 int8 [B,H,Lp,D]
     (zero rows past L), scales fp32 [B*H*Lp/16] / [B*H*Lp/64] (absmax/127, per block); K
-    smoothed by the mean of the tokens ``_kmean_index(L)`` (any per-head vector works: softmax
+    smoothed by the mean of the tokens ``kmean_index(L)`` (any per-head vector works: softmax
     is shift invariant per query row).  ``v`` is unused (the kernel reads the caller's bf16 V)."""
     B, H, L, D = q.shape
     Lp = -(-L // _BN) * _BN
@@ -33,7 +109,7 @@ def quantize_8bit(q, k, v=None, block_q=16, block_k=_BN):
 
     q8, qs = quant(q.float(), block_q)
     kf = k.float()
-    idx = torch.tensor(_kmean_index(L), device=k.device)
+    idx = torch.tensor(kmean_index(L), device=k.device)
     k8, ks = quant(kf - kf[:, :, idx].mean(dim=2, keepdim=True), block_k)
     return q8, k8, qs, ks, Lp
 
@@ -64,7 +140,7 @@ def _make_prepass(D, TK=False, KONLY=False):
     NI = 64 * DW // NTH     # words per thread per tile
     IPG = NI // 4           # register steps per 16-row group
     NSPLIT = NTH // DW      # mean: threads per word
-    NSAMP = _KMEAN_SAMPLES
+    NSAMP = KMEAN_SAMPLES
     RED = 4 * NTH
     PART = 2 * NTH
     NV = 2 * NI
