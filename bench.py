@@ -183,7 +183,8 @@ def main():
                   "exact+attn": {"*": "auto", "attention": "auto"}, "fast": {"*": "auto", "attention": "numba-8bit"},
                   "bf16-attn": {"*": "auto", "attention": "numba"}}[variant]
         fused = variant not in ("stock", "pack-torch")
-        bctx = BlockContext(fused=fused, gemm_epilogue=fused)
+        bctx = BlockContext(fused=fused, gemm_epilogue=fused,
+                            quant8=bool(policy) and policy.get("attention") == "numba-8bit")
 
         def fn(xin=None, tin=None):
             xin = x if xin is None else xin

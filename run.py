@@ -218,7 +218,8 @@ def main():
 
         def fn(x, t):
             with StepTimer(dev) as tm, torch.no_grad(), registry.force(**policy):
-                v = model(x, t, context, y, guidance, BlockContext(fused=fused), dtype=dtype)
+                v = model(x, t, context, y, guidance,
+                          BlockContext(fused=fused, quant8=policy.get("attention") == "numba-8bit"), dtype=dtype)
             times.append(tm.ms)
             backends.append(registry.take_usage())
             return v

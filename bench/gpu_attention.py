@@ -1,22 +1,12 @@
 """GPU check + timing of the attention op's numba backends (run on the H200 from the repo root).
 
     FLUX_NUMBA_REAL_GPU=1 python bench/gpu_attention.py            # all checks + timings
-    FLUX_ATTN_8BIT_VARIANTS= python bench/gpu_attention.py          # bf16 kernels only (< 2 min)
     FLUX_ATTN_QUICK=1 ...                                          # only the FLUX shape
-    FLUX_ATTN_VARIANTS=4w,8w,wg,wgr,wg2 FLUX_ATTN_8BIT_VARIANTS=mma,wg,wgr ...   # kernels to compare
-    FLUX_ATTN_CHECK_ALL=1 ...                                      # check every case with every variant
     FLUX_ATTN_BUDGET=200 ...                                       # seconds before the remaining steps are skipped (100)
-    FLUX_ATTN_FULL=w32,w32x8,wgpp,wgpp64 ...     # variants checked on every case (others: FLUX shape only)
-Default bf16 variants: auto (the op's default: wgpp128x2s3b on Hopper at head dim 128, else 4w) and 4w
-(mma.sync, 16 rows/warp); opt-in: the 32-rows-per-warp family w32 (4 warps, 128-row blocks),
-w32x8 (8 warps), w32n16 (16-key tiles, no spills), w32x2 (2 warps), w32e
-(w32 rescaling O on every tile), w32n32.  Hopper wgmma variants (FLUX_ATTN_WG_VARIANTS, default
-empty; e.g. wgpp,wgpp64,wgppr,wgppx2, wgp, wgpr, wgpx2, wgp2, wg, wgr, wg2) run in a child process after the
-FLUX-shape step, so that a faulting kernel cannot poison the CUDA context of the main measurement
-(its rows are merged into the table; FLUX_ATTN_WG_VARIANTS= skips it).  The FLUX shape is
-also timed as device time (10 launches inside one CUDA graph, replayed: no Python launch cost).
-Variants outside FULL are checked and timed at the FLUX shape only (each extra (variant, head dim,
-mask) costs a JIT compile of a few seconds).
+Kernels (explicit configs, ``attention.configs``): ``numba`` / ``numba-8bit`` = the op's selection
+on this GPU (the wgmma kernels on Hopper at head dim 128, else mma.sync), ``@mma`` = the mma.sync
+kernel forced.  The FLUX shape is also timed as device time (10 launches inside one CUDA graph,
+replayed: no Python launch cost).  The per-kernel table at the FLUX shape: bench/gpu_attn_kernels.py.
 
 Checks (fresh random inputs, poisoned outputs, NaN check): relative Frobenius error vs an fp32
 SDPA (math backend, TF32 off) next to bf16 SDPA's own error, at [1,24,4608,128] (FLUX 1024^2),
@@ -84,34 +74,18 @@ def make(B, H, L, D, qk_scale=1.0, seed=0):
 
 
 BACKENDS = [b for b in ("numba", "numba-8bit") if b in registry.backends("attention")]
-# backend labels; "numba@8w" = the numba backend with the 8-warp (128 x 64) tiling variant.
-# FLUX_ATTN_VARIANTS (default "4w,8w"): bf16 tilings to compare ("wg" / "wg2" = Hopper wgmma kernel
-# with 1 / 2 warpgroups per block); FLUX_ATTN_8BIT_VARIANTS (default "auto,mma"): 8-bit kernels.
-VARS = [x for x in os.environ.get("FLUX_ATTN_VARIANTS", "auto,4w").split(",") if x]
-FULL = [x for x in os.environ.get("FLUX_ATTN_FULL", "w32,w32x8,wgpp,wgpp64").split(",") if x]
-# Hopper wgmma variants run in a child process (a faulting kernel poisons its CUDA context only),
-# after the FLUX-shape check + timing of the variants above; FLUX_ATTN_WG_VARIANTS= skips them.
-WGVARS = [x for x in os.environ.get("FLUX_ATTN_WG_VARIANTS", "").split(",") if x]
-CHILD = os.environ.get("FLUX_ATTN_CHILD") == "1"
-if CHILD:
-    VARS, BACKENDS = WGVARS, ["numba"]
-VARS8 = [x for x in os.environ.get("FLUX_ATTN_8BIT_VARIANTS", "auto,mma").split(",") if x]
-CHECK_ALL = os.environ.get("FLUX_ATTN_CHECK_ALL") == "1"   # check every case with every variant
-LABELS = [("numba" if v == "auto" else f"numba@{v}", "numba", v) for v in VARS] if "numba" in BACKENDS else []
-LABELS += [("numba-8bit" if v == "auto" else f"numba-8bit@{v}", "numba-8bit", "8:" + v)
-           for v in VARS8 if "numba-8bit" in BACKENDS]
+C = A.configs
+# (label, backend, config): None = the op's own selection (through the registry)
+LABELS = [(lb, be, cfg) for lb, be, cfg in (("numba", "numba", None), ("numba@mma", "numba", C.BF16_MMA),
+                                             ("numba-8bit", "numba-8bit", None), ("numba-8bit@mma", "numba-8bit", C.INT8_MMA))
+          if be in BACKENDS]
 
 
-def variant(v):
-    try:
-        if v.startswith("8:"):
-            A.set_variant8(v[2:])
-        else:
-            A.set_variant(v)
-            if v in ("4w", "auto") and hasattr(A, "set_variant8"):
-                A.set_variant8("auto")
-    except Exception as ex:  # older attention.py without variants
-        print("set_variant failed:", ex)
+def run(be, cfg, q, k, v, mask=None, out=None):
+    if cfg is None:
+        return call(be, q, k, v, mask, out=out)
+    fn = A.numba_attention if be == "numba" else A.numba_attention_8bit
+    return fn(q, k, v, mask, out=out, config=cfg)
 
 
 def _dry(B, H, L, D, mask=None):
@@ -130,18 +104,15 @@ def check_case(name, B, H, L, D, mask=None, qk_scale=1.0, seed=0, out_view=False
     q, k, v = make(B, H, L, D, qk_scale, seed)
     r32 = ref32(q, k, v, mask)
     e16 = rel(sdpa16(q, k, v, mask), r32)
-    for label, be, var in LABELS:
-        if var not in ("auto", "4w", "8:auto", "8:mma") and var not in FULL and not CHECK_ALL and not name.startswith("[1,24,4608"):
-            continue
-        variant(var)
+    for label, be, cfg in LABELS:
         try:
             if out_view:
                 buf = torch.full((B, L, H * D + 256), float("nan"), dtype=q.dtype, device=DEV)
-                o = call(be, q, k, v, mask, out=buf[..., :H * D])
+                o = run(be, cfg, q, k, v, mask, out=buf[..., :H * D])
                 outside_ok = bool(torch.isnan(buf[..., H * D:]).all())
             else:
                 out = torch.full((B, L, H * D), float("nan"), dtype=q.dtype, device=DEV)
-                o = call(be, q, k, v, mask, out=out)
+                o = run(be, cfg, q, k, v, mask, out=out)
                 outside_ok = True
             torch.cuda.synchronize()
             nan = bool(torch.isnan(o).any())
@@ -155,16 +126,14 @@ def check_case(name, B, H, L, D, mask=None, qk_scale=1.0, seed=0, out_view=False
             traceback.print_exc()
             note(f"check {name} {label}", error=f"{type(ex).__name__}: {ex}")
             rows.append((f"check {name}", label, f"{type(ex).__name__}", "FAIL"))
-        finally:
-            variant("auto")
     del q, k, v, r32
     torch.cuda.empty_cache()
 
 
-def kernel_info(D):
-    """Registers / local memory per thread of the current variant's compiled no-mask kernel."""
+def kernel_info(D, cfg):
+    """Registers / local memory per thread of the compiled no-mask kernel of cfg (None: the selection)."""
     try:
-        k = A._kernel(D, False, A._warps(D, torch.device(DEV)))
+        k = A.build(cfg or A.select_bf16(A.capability(torch.device(DEV)), D), D, False).kern
         r, lm = k.get_regs_per_thread(), k.get_local_mem_per_thread()
         one = lambda x: list(x.values())[0] if isinstance(x, dict) and len(x) == 1 else x  # noqa: E731
         return {"regs": str(one(r)), "local_bytes": str(one(lm))}
@@ -178,8 +147,6 @@ def bench_case(name, B, H, L, D):
     flops = 4.0 * B * H * L * L * D
     GRAPH = not DRY and name.startswith("[1,24,4608")
     try:
-        if CHILD:   # the parent process times SDPA
-            raise StopIteration
         t = time_ms(lambda: F.scaled_dot_product_attention(q, k, v))
         note(f"time {name} sdpa", ms=round(t, 4), tflops=round(flops / t / 1e9, 1))
         rows.append((f"time {name}", "sdpa (kernel only)", f"{t:.4f} ms", f"{flops / t / 1e9:.0f} TFLOP/s"))
@@ -190,36 +157,31 @@ def bench_case(name, B, H, L, D):
             t = graph_ms(lambda: F.scaled_dot_product_attention(q, k, v))
             note(f"time {name} sdpa (CUDA graph)", ms=round(t, 4), tflops=round(flops / t / 1e9, 1))
             rows.append((f"time {name}", "  sdpa device time (graph)", f"{t:.4f} ms", f"{flops / t / 1e9:.0f} TFLOP/s"))
-    except StopIteration:
-        pass
     except Exception as ex:
         traceback.print_exc()
         rows.append((f"time {name}", "sdpa", type(ex).__name__, "ERR"))
-    for label, be, var in LABELS:
-        if be == "numba" and var not in ("auto", "4w") and var not in FULL and not CHECK_ALL and not GRAPH:
-            continue
-        variant(var)
+    for label, be, cfg in LABELS:
         try:
             out = torch.empty(B, L, H * D, dtype=q.dtype, device=DEV)
-            t = time_ms(lambda: call(be, q, k, v, None, out=out))
+            t = time_ms(lambda: run(be, cfg, q, k, v, None, out=out))
             tf = flops / t / 1e9
             ok = tf >= 400 if be == "numba" else t <= 0.33
             note(f"time {name} {label}", ms=round(t, 4), tflops=round(tf, 1), meets_bar=ok)
             rows.append((f"time {name}", label, f"{t:.4f} ms", f"{tf:.0f} TFLOP/s" + ("" if ok else " (below bar)")))
             if GRAPH and be == "numba":
-                tg = graph_ms(lambda: call(be, q, k, v, None, out=out))
+                tg = graph_ms(lambda: run(be, cfg, q, k, v, None, out=out))
                 note(f"time {name} {label} (CUDA graph)", ms=round(tg, 4), tflops=round(flops / tg / 1e9, 1),
-                     **kernel_info(D))
+                     **kernel_info(D, cfg))
                 rows.append((f"time {name}", f"  {label} device time (graph)", f"{tg:.4f} ms",
                              f"{flops / tg / 1e9:.0f} TFLOP/s"))
-            if be == "numba-8bit" and var == "8:mma":  # split: quantization pre-pass (numba) vs torch
+            if be == "numba-8bit" and cfg is not None:  # split: quantization pre-pass (numba) vs torch
                 tq = time_ms(lambda: A.quantize_8bit_numba(q, k, v))
                 rows.append((f"time {name}", "  of which numba quant pre-pass", f"{tq:.4f} ms", ""))
                 tq = time_ms(lambda: A.quantize_8bit(q, k, v))
                 rows.append((f"time {name}", "  (torch quant pre-pass, unused)", f"{tq:.4f} ms", ""))
                 if not DRY:  # device time only: replay CUDA graphs (no Python launch overhead)
                     for what, fn in (("pre-pass", lambda: A.quantize_8bit_numba(q, k, v)),
-                                     ("8-bit total", lambda: call(be, q, k, v, None, out=out))):
+                                     ("8-bit total", lambda: run(be, cfg, q, k, v, None, out=out))):
                         try:
                             gr = torch.cuda.CUDAGraph()
                             with torch.cuda.graph(gr):
@@ -233,35 +195,8 @@ def bench_case(name, B, H, L, D):
         except Exception as ex:
             traceback.print_exc()
             rows.append((f"time {name}", label, type(ex).__name__, "ERR"))
-        finally:
-            variant("auto")
     del q, k, v
     torch.cuda.empty_cache()
-
-
-def run_child():
-    """The wgmma variants in a fresh process; its table rows are merged into ours."""
-    import subprocess
-    budget = max(25.0, 95.0 - (time.time() - T0))
-    env = dict(os.environ, FLUX_ATTN_CHILD="1", FLUX_ATTN_CHILD_BUDGET=str(budget))
-    env.pop("OUT", None)
-    t = time.time()
-    try:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True,
-                           text=True, timeout=budget + 10)
-        out, rc, err = r.stdout, r.returncode, r.stderr
-    except subprocess.TimeoutExpired as ex:
-        dec = lambda x: (x or b"").decode(errors="replace") if isinstance(x, bytes) else (x or "")  # noqa: E731
-        out, rc, err = dec(ex.stdout), "timeout", dec(ex.stderr)
-    print("\n".join(ln for ln in out.splitlines() if not ln.startswith("CHILD_JSON "))[-6000:]
-          + err[-3000:], flush=True)
-    got = [ln for ln in out.splitlines() if ln.startswith("CHILD_JSON ")]
-    if got:
-        data = json.loads(got[-1][len("CHILD_JSON "):])
-        rows.extend(tuple(r) for r in data["rows"])
-        results.update({"wgmma child: " + k: v for k, v in data["results"].items()})
-    if rc != 0 or not got:
-        rows.append(("wgmma child process", ",".join(WGVARS), f"rc={rc} after {time.time() - t:.0f}s", "ERR"))
 
 
 def main():
@@ -269,25 +204,6 @@ def main():
     quick = os.environ.get("FLUX_ATTN_QUICK") == "1"
     steps = [lambda: check_case("[1,24,4608,128]", 1, 24, 4608, 128, seed=2),
              lambda: bench_case("[1,24,4608,128]", 1, 24, 4608, 128)]
-    if CHILD:
-        budget = float(os.environ.get("FLUX_ATTN_CHILD_BUDGET", "60"))
-        g = torch.Generator(device=DEV).manual_seed(4)
-        bmask = torch.rand(2, 1000, 1000, device=DEV, generator=g) > 0.2
-        bmask[..., 0] = True
-        steps += [lambda: check_case("[2,24,1000,128] bool mask [B,L,L]", 2, 24, 1000, 128, mask=bmask, seed=3),
-                  lambda: check_case("[1,24,333,128] extreme logits (x12)", 1, 24, 333, 128, qk_scale=12.0, seed=9)]
-        for st in steps:
-            if time.time() - T0 > budget:
-                rows.append(("(child skipped)", "", "time budget", ""))
-                break
-            try:
-                st()
-            except Exception as ex:
-                traceback.print_exc()
-                rows.append(("child step", "", f"{type(ex).__name__}: {ex}"[:60], "ERR"))
-            # after every step: a parent that times us out still gets the rows so far
-            print("CHILD_JSON " + json.dumps({"rows": rows, "results": results}, default=str), flush=True)
-        return
     if not quick:
         def bool_mask():
             g = torch.Generator(device=DEV).manual_seed(4)
@@ -302,8 +218,6 @@ def main():
             return m
         steps += [
             lambda: check_case("[2,24,1000,128] bool mask [B,L,L]", 2, 24, 1000, 128, mask=bool_mask(), seed=3)]
-    if WGVARS:   # after the FLUX shape and the ragged + masked case of the variants above
-        steps.append(run_child)
     if not quick:
         steps += [
             lambda: check_case("[2,24,1000,128] additive mask [L,L]", 2, 24, 1000, 128, mask=add_mask(), seed=6),

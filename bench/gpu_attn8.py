@@ -5,7 +5,7 @@
 
 qk_norm_rope(..., quant8=True) writes, in the same pass as the bf16 q/k/v, int8 Q and K (K minus a
 per-(b, h) mean from a tiny pre-launch) with per-(token, head) scales; numba-8bit attention takes
-that pack (attention.prequantized) instead of running its own pre-pass (quantize_8bit_numba).
+that pack (the op's ``q8`` argument) instead of running its own pre-pass (quantize_8bit_numba).
 
 Checks at FLUX shapes (H 24, D 128; double block txt 512 + img 4096, a ragged txt 333 + img 4096,
 single block 4608 tokens from a row-strided linear1 slice), fresh random inputs with a per-channel
@@ -103,8 +103,7 @@ def attn8(q, k, v, pack=None, out=None):
     with forced(attention="numba-8bit"):
         if pack is None:
             return registry.call("attention", q, k, v, None, out=out)
-        with A.prequantized(pack):
-            return registry.call("attention", q, k, v, None, out=out)
+        return registry.call("attention", q, k, v, None, out=out, q8=pack)
 
 
 def poison_scratch():
@@ -153,12 +152,12 @@ def check_case(name, Lt, Li, single=False):
         e16 = rel(A.reference(q, k, v), r)
         out = torch.full((1, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
         got = []
-        orig = A._pending_pack
-        A._pending_pack = lambda q_, k_: got.append(orig(q_, k_)) or got[-1]
+        orig = A.usable_pack
+        A.usable_pack = lambda *a_, **kw_: got.append(orig(*a_, **kw_)) or got[-1]
         try:
             attn8(q, k, v, pk, out=out)
         finally:
-            A._pending_pack = orig
+            A.usable_pack = orig
         torch.cuda.synchronize()
         used = bool(got) and got[-1] is pk
         nan = bool(torch.isnan(out).any())

@@ -1,7 +1,8 @@
 """Static instruction mix of the bf16 attention kernel's main loop (no GPU needed).
 
-    python bench/sass_attention.py [--nvdisasm PATH]
-Compiles the default (4w, D=128, no mask) kernel to PTX for sm_90 with numba, assembles it with
+    python bench/sass_attention.py [--nvdisasm PATH] [--config BF16_MMA|BF16_WGMMA]
+Compiles a bf16 kernel (default: the mma.sync one, ``attention.configs.BF16_MMA``; D=128, no mask)
+to PTX for sm_90 with numba, assembles it with
 ``ptxas -arch=sm_90a`` (on PATH), disassembles with ``nvdisasm`` (the nvidia-cuda-nvdisasm wheel
 ships one: nvidia/cu13/bin/nvdisasm) and counts the SASS opcodes of the loop that holds the
 HMMAs (the backward branch enclosing the most HMMA instructions).
@@ -23,6 +24,7 @@ sys.path.insert(0, ROOT)
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--nvdisasm", default="nvdisasm")
+    ap.add_argument("--config", default="BF16_MMA", choices=("BF16_MMA", "BF16_WGMMA"))
     a = ap.parse_args()
     import _pack
     _pack.load()
@@ -32,7 +34,8 @@ def main():
     from flux_numba_pack.cuda_kernels import attention as A
     I32, F32, i64 = nt.Array(nt.int32, 1, "A"), nt.Array(nt.float32, 1, "A"), nt.int64
     sig = (I32, I32, I32, I32, F32) + (i64,) * 16 + (nt.float64,)
-    ptx, _ = cuda.compile_ptx(A._make_kernel(128, False, 4).py_func, sig, cc=(9, 0), fastmath=True)
+    kern = A.build(getattr(A.configs, a.config), 128, False).kern
+    ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
     ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.0", ptx, count=1, flags=re.M)
     d = tempfile.mkdtemp()
     open(os.path.join(d, "k.ptx"), "w").write(ptx)
@@ -45,7 +48,7 @@ def main():
         m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
         if m and labels.get(m.group(1), i) < i:
             st = labels[m.group(1)]
-            h = sum("HMMA" in sass[j] for j in range(st, i))
+            h = sum("HMMA" in sass[j] or "HGMMA" in sass[j] for j in range(st, i))
             if best is None or h > best[2]:
                 best = (st, i, h)
     st, en, h = best

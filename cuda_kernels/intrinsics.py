@@ -43,18 +43,27 @@ SIMULATOR = runtime.SIMULATOR
 RED_SMEM = 1024 if SIMULATOR else 33  # floats of shared scratch a reduction needs
 
 
+def tree_hash(root) -> str:
+    """sha256 over every *.py below ``root``, subfolders included (path relative to root + bytes,
+    in sorted order; __pycache__ skipped)."""
+    import hashlib
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).replace(os.sep, "/").encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=1)
 def source_hash() -> str:
-    """sha256 over every cuda_kernels/*.py (name + bytes): part of each cached kernel's key."""
-    import hashlib
-    here = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(here)):
-        if name.endswith(".py"):
-            h.update(name.encode())
-            with open(os.path.join(here, name), "rb") as f:
-                h.update(f.read())
-    return h.hexdigest()[:16]
+    """``tree_hash`` of cuda_kernels/ (the attention/ package included): part of each cached
+    kernel's key, so an edit of any file a kernel is built from misses the cache."""
+    return tree_hash(os.path.dirname(os.path.abspath(__file__)))
 
 
 def keyed_on_sources(disp):

@@ -8,9 +8,10 @@
   out:   q, k, v as [B, H, sum(L_i), D] tensors in qkv's dtype (the numba backend returns views in
          [B, L, H, D] memory order, the torch reference contiguous ones); q and k normalised
          and rotated, v copied.  This replaces view/permute/RMSNorm/cat/RoPE of stock ComfyUI.
-  quant8=True: returns (q, k, v, pack) -- pack is a ``Quant8`` (int8 Q/K + per-token scales for the
-         numba-8bit attention, made in the same pass; see the section "8-bit attention prologue")
-         or None (torch reference, or a layout the kernel does not quantize).
+  quant8=True / "qk": returns (q, k, v, pack) -- pack is a ``Quant8`` (int8 Q/K + per-token scales
+         for the numba-8bit attention, made in the same pass; see the section "8-bit attention
+         prologue") or None (torch reference, or a layout the kernel does not quantize);
+         quant8="q": Q alone (pack.k8 / ks / kmean None: the Hopper 8-bit kernel quantizes K itself).
 
 Numba backend ("numba", bf16 qkv, 1 or 2 parts, D in {4, 8, 16, 32, 64, 128}, every qkv row
 8-byte aligned -- else declined by check): grid (tokens, B, head chunks), blocks of <= 128
@@ -261,6 +262,7 @@ def _ptx_cases():
     return {"qk_norm_rope w2": lambda: (make_qk_kernel(2), sig),
             "qk_norm_rope w1": lambda: (make_qk_kernel(1), sig),
             "qk_norm_rope q8": lambda: (make_qk_kernel_q(), sig_q),
+            "qk_norm_rope q8 q only": lambda: (make_qk_kernel_q(False), sig_q),
             "qk kmean": lambda: (make_kmean_kernel(), sig_m)}
 
 
@@ -339,7 +341,7 @@ def _pe_arr(pe, D, device):
 
 
 # ----------------------------------------------------------------------------- 8-bit attention prologue
-# ``quant8=True`` (flux_core.blocks asks for it only when the attention op is forced to numba-8bit):
+# ``quant8=True`` (flux_core.blocks asks for it only when its attention is the 8-bit op):
 # the SAME pass over qkv also writes what numba-8bit attention consumes, so it skips its pre-pass:
 #   q8, k8  int8 [B, H, Lp, D] (Lp = L rounded up to 64; pad rows written as zeros),
 #   qs, ks  fp32 [B, H, Lp] per-(token, head) absmax/127 scales (the 16-lane group holds the whole
@@ -354,47 +356,9 @@ def _pe_arr(pe, D, device):
 # (85 MB, measured 0.40 ms) is gone.  Only VW == 2 (16-byte rows; always true for FLUX) and
 # D in QUANT_DIMS; otherwise the pack is None and attention falls back to its pre-pass.
 QUANT_DIMS = (32, 64, 128)
-KMEAN_SAMPLES = 64
+# the format (smoothing tokens, the Quant8 pack, its torch reference) is the attention op's:
+from .attention.int8_format import KMEAN_SAMPLES, kmean_index, Quant8, quant8_reference  # noqa: E402,F401
 KM_SMEM = KMEAN_SAMPLES * 128  # floats: one row per sampled token
-
-
-def kmean_index(L):
-    """Token indices of K's smoothing mean: 64 evenly spaced tokens (all when L <= 64)."""
-    S = min(L, KMEAN_SAMPLES)
-    return [(i * L) // S for i in range(S)]
-
-
-class Quant8:
-    """int8 Q/K + per-(token, head) scales for numba-8bit attention, made from exactly ``q`` and ``k``
-    (attention takes it only for those very tensor objects, see attention.prequantized).
-    q8/k8 int8 [B, H, Lp, D]; qs/ks fp32 [B*H*Lp]; kmean fp32 [B, H, D].  The buffers are scratch
-    cached per shape and stream: the next call with that shape overwrites them (stream order keeps
-    a consumer launched before that safe)."""
-    __slots__ = ("q", "k", "q8", "k8", "qs", "ks", "kmean", "Lp", "views")
-
-    def __init__(self, q, k, q8, k8, qs, ks, kmean, Lp, views):
-        self.q, self.k, self.q8, self.k8, self.qs, self.ks = q, k, q8, k8, qs, ks
-        self.kmean, self.Lp, self.views = kmean, Lp, views
-
-
-def quant8_reference(q, k):
-    """Torch reference of the quantization (from the bf16 q, k this op returns): (q8, k8, qs, ks, Lp,
-    kmean) laid out like Quant8 (pad rows zero, pad scales 1e-20/127)."""
-    B, H, L, D = q.shape
-    Lp = -(-L // 64) * 64
-    kf = k.float()
-    kmean = kf[:, :, kmean_index(L)].mean(dim=2)
-
-    def qz(x):
-        m = x.abs().amax(-1, keepdim=True).clamp_min(1e-20)
-        y = torch.floor(x * (127.0 / m) + 0.5).clamp_(-127, 127).to(torch.int8)
-        y = torch.nn.functional.pad(y, (0, 0, 0, Lp - L))
-        sc = torch.nn.functional.pad(m[..., 0] / 127.0, (0, Lp - L), value=1e-20 / 127.0)
-        return y, sc.reshape(-1)
-
-    q8, qs = qz(q.float())
-    k8, ks = qz(kf - kmean[:, :, None])
-    return q8, k8, qs, ks, Lp, kmean
 
 
 def _quant_helpers():
@@ -521,10 +485,11 @@ def make_kmean_kernel():
     return ik.jit_kernel(kmean_kernel, launch_bounds=(1024, 1))
 
 
-def make_qk_kernel_q():
+def make_qk_kernel_q(KQ=True):
     """qk_kernel (VW = 2) plus the int8 outputs: q8 int64 [2, B, H, Lp, D/8] (8 int8 per word; lane
     w owns word w), qsc f32 [2, B, H, Lp], kmean f32 [B, H, D].  Grid x strides over Lp tokens
-    (tokens >= Ltot: zero int8 rows, no bf16 stores, no loads)."""
+    (tokens >= Ltot: zero int8 rows, no bf16 stores, no loads).  KQ=False: Q alone (q8[1], qsc[1]
+    and kmean untouched)."""
     RED = ik.RED_SMEM
     VW = 2
     NE = 8
@@ -647,24 +612,28 @@ def make_qk_kernel_q():
                             unpack_w(wk[u], c, 4 * u, 4)
                         for e in range(NE):
                             mq = max(mq, abs(a[e]))
-                            mk = max(mk, abs(c[e] - kmean[b, h, 4 * wo + e]))
+                            if KQ:
+                                mk = max(mk, abs(c[e] - kmean[b, h, 4 * wo + e]))
                     mq = group_max(mq, G, smem)
-                    mk = group_max(mk, G, smem)
+                    if KQ:
+                        mk = group_max(mk, G, smem)
                     if valid:
                         mq = max(mq, TINY)
-                        mk = max(mk, TINY)
                         for u in range(VW):
                             unpack_w(wq[u], a, 4 * u, 4)
                         q8[0, b, h, t, w] = pack8(a, 0, float32(127) / mq)
-                        for u in range(VW):
-                            unpack_w(wk[u], a, 4 * u, 4)
-                        if tok:
-                            for e in range(NE):
-                                a[e] -= kmean[b, h, 4 * wo + e]
-                        q8[1, b, h, t, w] = pack8(a, 0, float32(127) / mk)
                         if w == 0:
                             qsc[0, b, h, t] = mq / float32(127)
-                            qsc[1, b, h, t] = mk / float32(127)
+                        if KQ:
+                            mk = max(mk, TINY)
+                            for u in range(VW):
+                                unpack_w(wk[u], a, 4 * u, 4)
+                            if tok:
+                                for e in range(NE):
+                                    a[e] -= kmean[b, h, 4 * wo + e]
+                            q8[1, b, h, t, w] = pack8(a, 0, float32(127) / mk)
+                            if w == 0:
+                                qsc[1, b, h, t] = mk / float32(127)
                     h0 += NG * cuda.gridDim.z
                 t += cuda.gridDim.x
             b += cuda.gridDim.y
@@ -679,7 +648,8 @@ _q8_scratch = {}
 def _q_launcher(name):
     la = _q_launchers.get(name)
     if la is None:
-        la = _q_launchers[name] = ik.Launcher(make_kmean_kernel if name == "kmean" else make_qk_kernel_q)
+        la = _q_launchers[name] = ik.Launcher({"kmean": make_kmean_kernel, "quant": make_qk_kernel_q,
+                                               "quant_q": lambda: make_qk_kernel_q(False)}[name])
     return la
 
 
@@ -694,14 +664,19 @@ def _q8_buffers(B, H, Lp, D, dev):
     return _rt.stream_scratch(_q8_scratch, (B, H, Lp, D, str(dev)), make)
 
 
-def _launch_quant(a0, a1, sc, pe_w, ow, q, k, B, H, D, L0, Ltot, has_pe, eps, nt, nz, dev):
+def _launch_quant(a0, a1, sc, pe_w, ow, q, k, B, H, D, L0, Ltot, has_pe, eps, nt, nz, dev, kq=True):
+    """kq=False: Q alone (no K-mean launch; the pack's k8 / ks / kmean are None)."""
     Lp = -(-Ltot // 64) * 64
     q8, q8w, qsc, km, views = _q8_buffers(B, H, Lp, D, dev)
-    S = min(Ltot, KMEAN_SAMPLES)
-    ntm = min(1024, -(-(S * (D // 8)) // 32) * 32)
     hp = 1 if has_pe else 0
-    _q_launcher("kmean")(ik.grid3(H, B, 1), ntm, a0, a1, sc, pe_w, km, L0, Ltot, S, hp, np.float32(eps))
-    _q_launcher("quant")(ik.grid3(Lp, B, nz), nt, a0, a1, sc, pe_w, ow, q8w, qsc, km, L0, hp, np.float32(eps))
+    if kq:
+        S = min(Ltot, KMEAN_SAMPLES)
+        ntm = min(1024, -(-(S * (D // 8)) // 32) * 32)
+        _q_launcher("kmean")(ik.grid3(H, B, 1), ntm, a0, a1, sc, pe_w, km, L0, Ltot, S, hp, np.float32(eps))
+    _q_launcher("quant" if kq else "quant_q")(ik.grid3(Lp, B, nz), nt, a0, a1, sc, pe_w, ow, q8w, qsc, km, L0, hp,
+                                              np.float32(eps))
+    if not kq:
+        return Quant8(q, k, q8[0], None, qsc[0].reshape(-1), None, None, Lp, views)
     return Quant8(q, k, q8[0], q8[1], qsc[0].reshape(-1), qsc[1].reshape(-1), km, Lp, views)
 
 
@@ -724,7 +699,7 @@ def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6, quant8: boo
     if quant8 and VW == 2 and D in QUANT_DIMS:
         q, k, v = out[0], out[1], out[2]
         pack = _launch_quant(a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow, q, k,
-                             B, H, D, L0, Ltot, pe is not None, eps, nt, nz, dev)
+                             B, H, D, L0, Ltot, pe is not None, eps, nt, nz, dev, kq=quant8 != "q")
         return q, k, v, pack
     _launcher(VW)(ik.grid3(Ltot, B, nz), nt,
                   a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow,

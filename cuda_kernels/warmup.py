@@ -58,13 +58,14 @@ def warm_calls(device) -> List[Tuple[str, str, Callable]]:
 
 def _warm_8bit(qkv_t, qkv_i, s, pe, H, q):
     """Both 8-bit paths: the pre-pass one (any caller's q/k) and the blocks' fused one
-    (qk_norm_rope's int8 Q/K + its K-mean kernel, the per-token-scale attention kernel)."""
+    (qk_norm_rope's int8 pack -- Q only when the selected kernel quantizes K itself -- and the
+    per-token-scale attention kernel), as flux_core.blocks asks for them."""
     from . import attention
     registry.call("attention", q, q, q, None)
-    qq, kk, vv, pack = registry.call("qk_norm_rope", [(qkv_t, s, s), (qkv_i, s, s)], pe, H, 1e-6, quant8=True)
+    want = "qk" if attention.int8_wants_k(q.device, q.shape[-1]) else "q"
+    qq, kk, vv, pack = registry.call("qk_norm_rope", [(qkv_t, s, s), (qkv_i, s, s)], pe, H, 1e-6, quant8=want)
     if pack is not None:
-        with attention.prequantized(pack):
-            registry.call("attention", qq, kk, vv, None)
+        registry.call("attention", qq, kk, vv, None, q8=pack)
 
 
 def warm_all(device="cuda", on_begin: Callable = None, on_step: Callable = None, backends=None) -> Dict[str, dict]:

@@ -73,6 +73,8 @@ class BlockContext:
         when attention is not routed through the pack).
     eps: LayerNorm epsilon (FLUX: 1e-6); the q/k RMSNorm epsilon comes from the norm modules.
     host: a ``Weights`` (how kernels get weight tensors; ComfyUI's adapter inside ComfyUI).
+    quant8: the attention is the registry op forced to numba-8bit (the caller's option): qk_norm_rope
+        then also emits the int8 pack, passed to the attention op as ``q8``.
     """
     fused: bool = True
     attention: Optional[Callable] = None
@@ -80,25 +82,28 @@ class BlockContext:
     gemm_epilogue: bool = False  # fold GELU into the up-projection GEMM (op linear_gelu) where weights allow
     silu_cache: dict = field(default_factory=dict)
     host: Weights = field(default_factory=Weights)
+    quant8: bool = False
 
     def wants_q8(self) -> bool:
-        """True when this call's attention is the registry's op forced to numba-8bit: qk_norm_rope
-        then also emits int8 Q/K (``quant8=True``) so the 8-bit kernel skips its pre-pass.  The
-        exact / bf16 paths never ask (no extra bytes, no extra launches)."""
-        return self.attention is None and registry.requested("attention") == "numba-8bit"
+        """From the options alone: the 8-bit registry op runs (``quant8``, no replacement callable),
+        so qk_norm_rope also emits int8 Q/K and the 8-bit kernel skips its pre-pass.  The exact /
+        bf16 paths never ask (no extra bytes, no extra launches)."""
+        return self.quant8 and self.attention is None
 
     def qk_norm_rope(self, parts, pe, H, eps=None):
-        """(q, k, v, pack): pack is qk_norm_rope's Quant8 when wants_q8() and its backend made one."""
+        """(q, k, v, pack): pack is qk_norm_rope's Quant8 when wants_q8() and its backend made one
+        (Q only when the 8-bit kernel that runs quantizes K itself)."""
         eps = self.eps if eps is None else eps
         if self.wants_q8():
-            return registry.call("qk_norm_rope", parts, pe, H, eps, quant8=True)
+            qkv = parts[0][0]
+            q8 = "qk" if _attention_op.int8_wants_k(qkv.device, qkv.shape[-1] // (3 * H)) else "q"
+            return registry.call("qk_norm_rope", parts, pe, H, eps, quant8=q8)
         q, k, v = registry.call("qk_norm_rope", parts, pe, H, eps)
         return q, k, v, None
 
     def attn(self, q, k, v, mask, out=None, pack=None):
-        if pack is not None:  # offered to numba-8bit for exactly this call (validated there)
-            with _attention_op.prequantized(pack):
-                return self.attn(q, k, v, mask, out=out)
+        if pack is not None:  # the 8-bit op's int8 hand-off (any other backend ignores it)
+            return registry.call("attention", q, k, v, mask, out=out, q8=pack)
         if self.attention is not None:
             o = self.attention(q, k, v, mask)
             if out is not None:

@@ -274,7 +274,7 @@ class _Runner:
         weights = ComfyWeights()
         ctx = self.blocks.BlockContext(fused=self.fused, attention=self._attention(topts, sig), silu_cache=self.silu_cache,
                                        gemm_epilogue=self.fused and self.opts["backend"] == "auto" and self.opts["route_norms"],
-                                       host=weights)
+                                       host=weights, quant8=self.policy.get(ATTENTION_OP) == "numba-8bit")
         policy = self.policy
         choice = self.attn_choice.get(sig)
         if self.attn_route == "auto" and choice not in (None, REFERENCE_NAME):

@@ -147,8 +147,8 @@ def _frag_kernel(kind):
 
 
 def test_bits_f32_and_magic_bias():
-    # mma.bits_f32 reinterprets an int32 as float32 (no conversion); the 8-bit softmax (FS) relies
-    # on bits(x + _MAGIC) == 12582912 + x exactly for |x| < 2^22 (any int32 Q8 K8^T dot product)
+    # mma.bits_f32 reinterprets an int32 as float32 (no conversion): bits(x + 0x4B400000) ==
+    # 12582912 + x exactly for |x| < 2^22 (any int32 Q8 K8^T dot product)
     import numpy as np
     xs = np.array([0, 1, -1, 2064512, -2064512, 12345, -(1 << 22) + 1, (1 << 22) - 1], dtype=np.int32)
     raw = np.array([0x3F800000, -0x40800000, 0x7F7FFFFF, 1], dtype=np.int32)   # 1.0, -1.0, max, denormal
@@ -157,7 +157,7 @@ def test_bits_f32_and_magic_bias():
     def k(x, r, outm, outr):
         i = cuda.threadIdx.x
         if i < x.size:
-            outm[i] = mma.bits_f32(x[i] + A._MAGIC) - np.float32(A._MAGIC_F)
+            outm[i] = mma.bits_f32(x[i] + 0x4B400000) - np.float32(12582912.0)
         if i < r.size:
             outr[i] = mma.bits_f32(r[i])
 
@@ -218,14 +218,10 @@ def test_attention_8bit(B, H, L, masked):
     assert e < 3e-2, e
 
 
-def test_attention_numba_8warp_variant():
-    B, H, L, D = 1, 1, 40, 32   # 128-row query block, ragged
+def test_attention_numba_8warp_config():
+    B, H, L, D = 1, 1, 40, 32   # 128-row query block (8 warps sharing each K / V tile), ragged
     q, k, v = make(B, H, L, D, seed=12)
-    A.set_variant("8w")
-    try:
-        o = run_numba("numba", q, k, v)
-    finally:
-        A.set_variant("auto")
+    o = A.numba_attention(q, k, v, config=A.Bf16Config("mma", rows=128, keys=64))
     assert not torch.isnan(o).any()
     assert rel(o, ref32(q, k, v)) < 1.2e-2
 
@@ -370,93 +366,56 @@ def test_wgmma_descriptor_layout(kind, N, transb):
     assert np.allclose(d, ref.numpy(), rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("var", ["wg"])   # wg2 / wgr share the code (the GPU bench covers them)
-def test_attention_numba_wgmma_variants(var):
-    B, H, L, D = 1, 1, 40, 32   # ragged KV tile
-    if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("wgmma needs sm_90")
-    q, k, v = make(B, H, L, D, seed=13)
-    A.set_variant(var)
-    try:
-        out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
-        run_numba("numba", q, k, v, out=out)
-    finally:
-        A.set_variant("auto")
-    assert not torch.isnan(out).any()
-    assert rel(out, ref32(q, k, v)) < 1.2e-2
-
-
-@pytest.mark.parametrize("var,L", [("wg", 40), ("wgb", 40), ("wgb", 400), ("wgbp", 40), ("wgbp", 400),
-                                   ("wgbpf", 400)])
-def test_attention_8bit_wgmma(var, L):
-    # wgb: 128-key tiles through tile_kv + bulk copies, 2 warpgroups (L=400: the ring wraps, ragged)
+@pytest.mark.parametrize("L", [40, 400])
+def test_attention_8bit_wgmma(L):
+    # int8 wgmma: 128-key tiles through tile_kv + bulk copies, 2 ping-pong warpgroups (L=400: the ring
+    # wraps, ragged)
     B, H, D = 1, 1, 32
     if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
     q, k, v = make(B, H, L, D, seed=17)
     k = (k + 3.0).to(torch.bfloat16)
-    A.set_variant8(var)
-    try:
-        out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
-        run_numba("numba-8bit", q, k, v, out=out)
-    finally:
-        A.set_variant8("auto")
+    out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    A.numba_attention_8bit(q, k, v, out=out, config=A.configs.INT8_WGMMA)
     assert not torch.isnan(out).any()
     assert rel(out, ref32(q, k, v)) < 3e-2
 
 
-# ---------------------------------------------------------------- 32 query rows per warp (w32*)
-def _run_variant(var, q, k, v, mask=None, out=None):
-    A.set_variant(var)
-    try:
-        return run_numba("numba", q, k, v, mask, out=out)
-    finally:
-        A.set_variant("auto")
-
-
-@pytest.mark.parametrize("var,B,H,L,D,masked", [
-    ("w32n32", 2, 1, 40, 16, False),   # 2 KV tiles through the 2-stage ring, ragged tail, batch 2
-    ("w32n16", 1, 1, 45, 32, True),    # bool mask + ragged tail, 16-key tiles, Q staged in 2 passes
-    ("w32", 1, 2, 23, 16, False),      # 64-key tile at D <= 64, L < 32
-])
-def test_attention_numba_w32(var, B, H, L, D, masked):
-    q, k, v = make(B, H, L, D, seed=31 + L)
-    mask = None
-    if masked:
-        mask = bool_mask(L, 12, 2)
-    out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
-    o = _run_variant(var, q, k, v, mask, out=out)
-    assert o is out and not torch.isnan(out).any()
-    r = ref32(q, k, v, mask)
-    assert rel(out, r) < 1.2e-2, rel(out, r)
-
-
-def test_attention_numba_w32_two_q_passes_strided_out():
-    # 16-key tiles: Q (128 rows) is staged through the 64-row ring in two passes (as w32x8 at
-    # D=128); FLUX's strided q/k/v views and an out view inside a wider buffer
-    B, H, L, D = 1, 1, 70, 16
-    g = torch.Generator().manual_seed(14)
-    qkv = (torch.randn(B, L, 3, H, D, generator=g) * 2).to(torch.bfloat16).to(DEV)
-    q, k, v = qkv.permute(2, 0, 3, 1, 4)
-    buf = torch.full((B, L, H * D + 8), float("nan"), dtype=torch.bfloat16, device=DEV)
-    view = buf[..., :H * D]
-    _run_variant("w32n16", q, k, v, out=view)
-    assert torch.isnan(buf[..., H * D:]).all(), "wrote outside the out view"
-    assert not torch.isnan(view).any()
-    assert rel(view, ref32(q, k, v)) < 2e-2
+def test_select_and_configs():
+    """One select per dtype: the wgmma kernels on sm_90 at head dim 128, the mma kernels elsewhere;
+    configs are frozen and reject settings their kernel cannot run."""
+    C = A.configs
+    assert A.select_bf16((9, 0), 128) == C.BF16_WGMMA and A.select_int8((9, 0), 128) == C.INT8_WGMMA
+    for cc, D in (((9, 0), 64), ((8, 0), 128), ((8, 9), 128), ((10, 0), 128)):
+        assert A.select_bf16(cc, D) == C.BF16_MMA and A.select_int8(cc, D) == C.INT8_MMA
+    with pytest.raises(Exception):
+        C.BF16_MMA.rows = 128
+    for bad in (lambda: A.Bf16Config("wgmma", rows=128, keys=128, warpgroups=2, stages=3),   # no bulk
+                lambda: A.Bf16Config("mma", rows=40, keys=64),
+                lambda: A.Int8Config("mma", rows=64, keys=128),
+                lambda: A.Bf16Config("w32", rows=128, keys=32)):
+        with pytest.raises((AssertionError, ValueError)):
+            bad()
+    k1 = A.build(C.BF16_MMA, 32, False)
+    assert A.build(C.BF16_MMA, 32, False) is k1 and (k1.rows, k1.threads, k1.tile_kv) == (64, 128, 0)
+    k2 = A.build(C.INT8_WGMMA, 32, False, per_token=True)
+    assert (k2.rows, k2.threads, k2.tile_kv) == (128, 256, 128)
 
 
 # ---------------------------------------------------------------- numba-8bit fed by qk_norm_rope(quant8=True)
-@pytest.mark.parametrize("var", ["auto", "wgbp"])
+@pytest.mark.parametrize("var", ["auto", "wgmma", "wgmma-q", "mma-q"])
 def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
     """q/k/v and the int8 pack from qk_norm_rope (txt + img parts, batch 2, ragged L = 41, K with a
-    channel offset); the 8-bit kernel with per-token scales vs fp32 attention, unmasked and masked;
-    the pack is taken only for the very q/k objects it was made from.  wgbp: the Hopper kernel with
-    the pack's Q8 + per-token Q scales and a K-only pre-pass (QTOK; in the simulator at D = 32, on
-    the GPU only at D = 128 -> mma here)."""
-    if var != "auto" and not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
+    channel offset), passed as the op's q8 argument; the 8-bit kernel with per-token scales vs fp32
+    attention, unmasked and masked; the pack is taken only for the very q/k objects it was made
+    from.  wgmma: the Hopper kernel with the pack's Q8 + per-token Q scales and a K-only pre-pass
+    (QTOK; in the simulator at D = 32, on the GPU only at D = 128 -> mma here).  "-q": a Q-only
+    pack (quant8="q": Q8 and its scales equal the full pack's, no K8): the wgmma kernel takes it,
+    the mma kernel (which reads K8) declines it and runs its pre-pass."""
+    if var.startswith("wgmma") and not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
-    monkeypatch.setattr(A, "_variant8", var)
+    cfg = {"auto": None, "wgmma": A.configs.INT8_WGMMA, "wgmma-q": A.configs.INT8_WGMMA,
+           "mma-q": A.configs.INT8_MMA}[var]
     g = torch.Generator().manual_seed(5)
     B, H, D, L1, L2 = 2, 1, 32, 6, 35
     L = L1 + L2
@@ -470,21 +429,25 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
     try:
         with registry.force("numba", ops=["qk_norm_rope"]):
             q, k, v, pk = registry.call("qk_norm_rope", [(txt, s[0], s[1]), (img, s[2], s[3])], pe, H, 1e-6, quant8=True)
+        if var.endswith("-q"):
+            q8_full, qs_full = pk.q8.clone(), pk.qs.clone()
+            with registry.force("numba", ops=["qk_norm_rope"]):
+                q, k, v, pk = registry.call("qk_norm_rope", [(txt, s[0], s[1]), (img, s[2], s[3])], pe, H, 1e-6,
+                                            quant8="q")
+            assert pk.k8 is None and pk.ks is None
+            assert torch.equal(pk.q8, q8_full) and torch.equal(pk.qs, qs_full)
     finally:
         registry.strict = False
     assert pk is not None
-    assert A._pending_pack(q, k) is None  # nothing offered
-    with A.prequantized(pk):
-        assert A._pending_pack(q, k) is pk
-        assert A._pending_pack(q.clone(), k) is None and A._pending_pack(q, k.clone()) is None
+    assert A.usable_pack(pk, q, k, needs_k=False) is pk and A.usable_pack(None, q, k, needs_k=False) is None
+    assert A.usable_pack(pk, q.clone(), k, False) is None and A.usable_pack(pk, q, k.clone(), False) is None
     got = []
-    orig = A._pending_pack
-    monkeypatch.setattr(A, "_pending_pack", lambda q_, k_: got.append(orig(q_, k_)) or got[-1])
+    orig = A.usable_pack
+    monkeypatch.setattr(A, "usable_pack", lambda *a_, **kw_: got.append(orig(*a_, **kw_)) or got[-1])
     for m in (None, bool_mask(L, 2, 1)):
         out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
-        with A.prequantized(pk):
-            run_numba("numba-8bit", q, k, v, m, out=out)
-        assert got[-1] is pk
+        A.numba_attention_8bit(q, k, v, m, out=out, q8=pk, config=cfg)
+        assert got[-1] is (None if var == "mma-q" else pk)
         assert not torch.isnan(out).any()
         r = ref32(q, k, v, m)
         e, e16 = rel(out, r), rel(A.reference(q, k, v, m).float(), r)
@@ -492,21 +455,11 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
         assert e < 2e-2, e
 
 
-@pytest.mark.parametrize("var,L,masked", [("wgp", 100, True), ("wgpp", 100, True), ("wgpp", 20, False),
-                                           ("wgpp64", 100, False), ("wgpp32x2s4f", 150, True),
-                                           ("wgpp32x2s6", 40, False), ("wgpp32x1s3b", 100, True),
-                                           ("wgpp32x2s3w", 150, True), ("wgpp32x1s3w", 20, False),
-                                           ("wgpp32x2s3e", 150, True), ("wgpp32x2s3p", 150, True),
-                                           ("wgpp32x2s3p", 20, False)])
-def test_attention_numba_wgmma_pipelined(var, L, masked):
-    # wgp: 3-stage ring over 4 KV tiles (stage 0 reused, ragged) with a bool mask; wgpp: S(j+1)
-    # issued with P(j) V(j), incl. the phantom tile after the last (one tile: L=20); wgpp64: 64-key tiles;
-    # wgpp32x2s4f / s6: 2 warpgroups, 4-stage ring wrapping around (5 tiles, unchecked loads of the
-    # full ones, ragged, masked) / 6-stage ring longer than the sequence (2 tiles: empty groups);
-    # wgpp32x1s3b: K / V tiles through tile_kv and bulk copies (ragged, zero-padded last tile);
-    # wgpp32x2s3w / 32x1s3w: the same fed by a producer warp (ring wraps; one tile + phantom);
-    # wgpp32x2s3e: stage releases on mbarriers, no block barrier in the loop; wgpp32x2s3p: the
-    # same with ping-pong warpgroups (named-barrier turns; ring wraps / one tile + phantom)
+@pytest.mark.parametrize("L,masked", [(400, True), (20, False)])
+def test_attention_numba_wgmma_pipelined(L, masked):
+    # the bf16 wgmma kernel (128-key tiles through tile_kv and bulk copies, 2 warpgroups, 3-stage
+    # ring): L=400 wraps the ring (4 tiles, ragged, zero-padded last tile) under a bool mask;
+    # L=20: one tile + the phantom S after the last
     if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
     B, H, D = 1, 1, 32
@@ -515,7 +468,7 @@ def test_attention_numba_wgmma_pipelined(var, L, masked):
     if masked:
         mask = bool_mask(L, 15, 5)
     out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
-    _run_variant(var, q, k, v, mask, out=out)
+    A.numba_attention(q, k, v, mask, out=out, config=A.configs.BF16_WGMMA)
     assert not torch.isnan(out).any()
     assert rel(out, ref32(q, k, v, mask)) < 1.2e-2
 
@@ -529,14 +482,15 @@ import numba.cuda.dispatcher as _d
 _d.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
 from numba import cuda, types as nt
 from flux_numba_pack.cuda_kernels import qk_norm_rope as QK, attention as A
-for name in ("qk_norm_rope q8", "qk kmean"):
+for name in ("qk_norm_rope q8", "qk_norm_rope q8 q only", "qk kmean"):
     disp, sig = QK.PTX_CASES[name]()
     ptx, _ = cuda.compile_ptx(disp.py_func, sig, cc=(9, 0), fastmath=True,
                               launch_bounds=disp.targetoptions.get("launch_bounds"))
     assert "shfl.sync" in ptx and ".local" not in ptx, name
 I32, F32, i64 = nt.Array(nt.int32, 1, "A"), nt.Array(nt.float32, 1, "A"), nt.int64
 sig = (I32, I32, I32, F32, F32, I32, F32) + (i64,) * 11 + (nt.float64,)
-ptx, _ = cuda.compile_ptx(A._make_kernel8(32, True, True).py_func, sig, cc=(9, 0), fastmath=True)
+ptx, _ = cuda.compile_ptx(A.build(A.configs.INT8_MMA, 32, True, per_token=True).kern.py_func, sig, cc=(9, 0),
+                          fastmath=True)
 assert "mma.sync.aligned.m16n8k32" in ptx and "cp.async.cg" in ptx
 print("PTX OK")
 '''
@@ -604,7 +558,7 @@ def test_attention_numba_default_hopper_d128(B, H, L, masked, strided):
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
     else:
         q, k, v = make(B, H, L, D, seed=L)
-    assert A._warps(D, q.device) == "wgpp128x2s3b"
+    assert A.select_bf16(A.capability(q.device), D) == A.configs.BF16_WGMMA
     mask = bool_mask(L, 7, 1) if masked else None
     buf = torch.full((B, L, H * D + 64), float("nan"), dtype=torch.bfloat16, device=DEV)
     out = run_numba("numba", q, k, v, mask, out=buf[..., :H * D])
@@ -622,7 +576,7 @@ def test_attention_numba_default_hopper_d128(B, H, L, masked, strided):
                                                 (1, 2, 64, False, False), (1, 3, 333, False, True),
                                                 (2, 2, 700, False, True), (1, 2, 150, True, True)])
 def test_attention_8bit_default_hopper_d128(B, H, L, masked, fused):
-    # the 8-bit op's default on Hopper at head dim 128: wgbp (ping-pong warpgroups, 4-stage ring,
+    # the 8-bit op's default on Hopper at head dim 128: the int8 wgmma kernel (ping-pong warpgroups, 4-stage ring,
     # K8 written tiled by the pre-pass); fused: fed a qk_norm_rope-style per-token Quant8 pack
     # (QTOK: its Q8 + per-token Q scales, K from a K-only pre-pass); ragged tails, partial tiles, masks
     _hopper_gpu_only("test_attention_8bit_wgmma, test_attention_8bit_fused_quant8_pack")
@@ -635,8 +589,7 @@ def test_attention_8bit_default_hopper_d128(B, H, L, masked, fused):
     if fused:
         q8, k8, qs, ks, Lp, km = QK.quant8_reference(q, k)
         pk = QK.Quant8(q, k, q8, k8, qs.contiguous(), ks.contiguous(), km, Lp, {})
-        with A.prequantized(pk):
-            run_numba("numba-8bit", q, k, v, mask, out=out)
+        run_numba("numba-8bit", q, k, v, mask, out=out, q8=pk)
     else:
         run_numba("numba-8bit", q, k, v, mask, out=out)
     assert not torch.isnan(out).any()

@@ -384,6 +384,27 @@ def test_cache_key_includes_sources_and_options():
     assert k1 != k2 and len(ik.source_hash()) == 16
 
 
+def test_cache_key_covers_the_attention_package(tmp_path):
+    """source_hash covers the files in cuda_kernels/ subfolders (attention/): an edit there must
+    change the key, or a stale kernel would load."""
+    import os
+    import shutil
+    here = os.path.dirname(os.path.abspath(ik.__file__))
+    assert ik.source_hash() == ik.tree_hash(here)
+    tree = tmp_path / "ck"
+    shutil.copytree(here, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    h0 = ik.tree_hash(tree)
+    assert h0 == ik.source_hash()
+    f = tree / "attention" / "softmax.py"
+    src = f.read_bytes()
+    f.write_bytes(src + b"# edited\n")
+    assert ik.tree_hash(tree) != h0
+    f.write_bytes(src)
+    assert ik.tree_hash(tree) == h0
+    (tree / "attention" / "new_kernel.py").write_text("X = 1\n")      # a new file counts too
+    assert ik.tree_hash(tree) != h0
+
+
 # ------------------------------------------------------ qk_norm_rope(quant8=True): 8-bit attention prologue
 @pytest.fixture
 def poison_int8(monkeypatch):
@@ -455,8 +476,11 @@ def test_qk_norm_rope_quant8_declines_cleanly():
 
 
 def test_blocks_fused_8bit_attention_uses_quant8_pack(poison_int8, monkeypatch):
-    """flux_core blocks with attention forced to numba-8bit: qk_norm_rope emits the int8 pack and the
-    8-bit kernel consumes it (no pre-pass); outputs match the torch blocks.  Other policies never ask."""
+    """flux_core blocks whose options say the attention is the 8-bit op (BlockContext.quant8):
+    qk_norm_rope emits the int8 pack, the block passes it to the attention op (q8=) and the 8-bit
+    kernel consumes it (no pre-pass); outputs match the torch blocks.  The decision comes from the
+    options alone: other contexts never ask, whatever the registry policy."""
+    from flux_numba_pack.cuda_kernels.attention import int8_format
     from flux_numba_pack.cuda_kernels import attention as A
     torch.manual_seed(3)
     h, heads, B, Lt, Li = 64, 2, 2, 5, 7
@@ -465,23 +489,22 @@ def test_blocks_fused_8bit_attention_uses_quant8_pack(poison_int8, monkeypatch):
     vec = rnd(B, h)
     pe = rope_pe(1, Lt + Li, h // heads)
     got = []
-    orig = A._pending_pack
-    monkeypatch.setattr(A, "_pending_pack", lambda q, k: got.append(orig(q, k)) or got[-1])
+    orig = A.usable_pack
+    monkeypatch.setattr(A, "usable_pack", lambda *a, **kw: got.append(orig(*a, **kw)) or got[-1])
     prepass = []
-    monkeypatch.setattr(A, "_prepass", lambda *a, **kw: prepass.append(1))  # must not run
+    monkeypatch.setattr(int8_format, "_prepass", lambda *a, **kw: prepass.append(1))  # must not run
     with torch.no_grad():
         with registry.force("torch"):
             ctx = blocks.BlockContext(fused=True)
             assert not ctx.wants_q8()
             ri, rt = blocks.double_block(dbl, img.clone(), txt.clone(), vec, pe, ctx=ctx)
-        with registry.force("numba", attention="numba"):
-            assert not blocks.BlockContext().wants_q8()
+        with registry.force("numba", attention="numba-8bit"):
+            assert not blocks.BlockContext().wants_q8()        # the policy alone decides nothing
         with registry.force("torch", qk_norm_rope="numba", attention="numba-8bit"):
-            ctx = blocks.BlockContext(fused=True)
-            assert ctx.wants_q8() and not blocks.BlockContext(attention=lambda *a: None).wants_q8()
+            ctx = blocks.BlockContext(fused=True, quant8=True)
+            assert ctx.wants_q8() and not blocks.BlockContext(quant8=True, attention=lambda *a: None).wants_q8()
             ni, nt_ = blocks.double_block(dbl, img.clone(), txt.clone(), vec, pe, ctx=ctx)
     assert len(got) == 1 and got[0] is not None and not prepass
-    assert getattr(A._q8_local, "pack", None) is None  # the offer ends with the call
     for a, b in ((ni, ri), (nt_, rt)):
         assert not torch.isnan(a).any()
         assert _rel(a, b) < 2e-2, _rel(a, b)

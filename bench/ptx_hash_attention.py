@@ -1,0 +1,92 @@
+"""sha256 of the PTX of each kept attention kernel, compiled for sm_90 without a GPU.
+
+    python bench/ptx_hash_attention.py [--root TREE]
+
+TREE (default: this checkout) is a copy of the pack, e.g. ``git archive attention-variants-pre-retire``
+unpacked elsewhere: the hashes of two trees show whether a refactor changed the generated code.
+Kernels (head dim 128, their default settings on Hopper / elsewhere), each unmasked and masked:
+bf16 mma (4 warps, 64-key tiles), bf16 wgmma (128x128 tiles, 2 warpgroups, 3 stages, bulk copies),
+int8 mma (per-block scales / per-token scales), int8 wgmma (ping-pong, 4 stages; per-block /
+per-token Q scales).  Works with both the configs API (``attention.config``) and the older
+factory signatures of the tagged tree.
+
+Two hashes per kernel: ``raw`` over the PTX as numba writes it, ``code`` over the PTX with the
+kernel's mangled entry symbol replaced by one fixed name.  That symbol spells the defining module
+and factory (``flux_numba_pack.cuda_kernels.attention._make_kernel_wgpp.<locals>.kern``) and a
+counter of the functions numba compiled before it, so a move of a factory into another module
+changes ``raw`` and nothing else; ``code`` is the comparison that matters (every instruction,
+register and shared-memory declaration).
+"""
+import argparse
+import hashlib
+import os
+import re
+import sys
+import types
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+
+
+def kernels(A):
+    """[(name, kernel dispatcher, kind)] -- kind 'bf16' / 'int8' selects the signature."""
+    out = []
+    for m in (False, True):
+        tag = "mask" if m else "nomask"
+        if hasattr(A, "config"):       # configs API
+            C = A.config
+            out.append((f"bf16_mma/{tag}", C.build(C.BF16_MMA, 128, m).kern, "bf16"))
+            out.append((f"bf16_wgmma/{tag}", C.build(C.BF16_WGMMA, 128, m).kern, "bf16"))
+            for pt in (False, True):
+                out.append((f"int8_mma/{tag}/{'tok' if pt else 'blk'}",
+                            C.build(C.INT8_MMA, 128, m, per_token=pt).kern, "int8"))
+                out.append((f"int8_wgmma/{tag}/{'tok' if pt else 'blk'}",
+                            C.build(C.INT8_WGMMA, 128, m, per_token=pt).kern, "int8"))
+        else:                          # the tagged tree's factories
+            out.append((f"bf16_mma/{tag}", A._make_kernel(128, m, 4), "bf16"))
+            try:                       # the tag: every flag positional
+                k = A._make_kernel_wgpp(128, m, None, 2, 128, 0, 3, False, True, False, False, False)
+            except TypeError:          # after the retirement: (D, has_mask, NWG, BN, STAGES)
+                k = A._make_kernel_wgpp(128, m, 2, 128, 3)
+            out.append((f"bf16_wgmma/{tag}", k, "bf16"))
+            for pt in (False, True):
+                out.append((f"int8_mma/{tag}/{'tok' if pt else 'blk'}", A._make_kernel8(128, m, pt), "int8"))
+                try:
+                    k = A._make_kernel8_wgb(128, m, STAGES=4, PP=True, QTOK=pt)
+                except TypeError:
+                    k = A._make_kernel8_wgb(128, m, STAGES=4, QTOK=pt)
+                out.append((f"int8_wgmma/{tag}/{'tok' if pt else 'blk'}", k, "int8"))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--only", default="", help="regex of kernel names")
+    ap.add_argument("--dump", default="", help="folder to write each kernel's PTX to")
+    a = ap.parse_args()
+    sys.path.insert(0, a.root)
+    import _pack
+    _pack.load()
+    import numba.cuda.dispatcher as _d
+    _d.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+    from numba import cuda, types as nt
+    from flux_numba_pack.cuda_kernels import attention as A
+    I32, F32, i64 = nt.Array(nt.int32, 1, "A"), nt.Array(nt.float32, 1, "A"), nt.int64
+    sigs = {"bf16": (I32, I32, I32, I32, F32) + (i64,) * 16 + (nt.float64,),
+            "int8": (I32, I32, I32, F32, F32, I32, F32) + (i64,) * 11 + (nt.float64,)}
+    for name, kern, kind in kernels(A):
+        if a.only and not re.search(a.only, name):
+            continue
+        ptx, _ = cuda.compile_ptx(kern.py_func, sigs[kind], cc=(9, 0), fastmath=True)
+        if a.dump:
+            os.makedirs(a.dump, exist_ok=True)
+            with open(os.path.join(a.dump, name.replace("/", "_") + ".ptx"), "w") as f:
+                f.write(ptx)
+        sym = re.search(r"\.entry (\S+)\(", ptx).group(1)
+        code = ptx.replace(sym[3:] if sym.startswith("_ZN") else sym, "KERNEL")   # also in the NumbaEnv symbol
+        h = lambda x: hashlib.sha256(x.encode()).hexdigest()[:16]  # noqa: E731
+        print(f"{name:28s} code {h(code)}  raw {h(ptx)}  ({len(code)} chars)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Non-causal multi-head attention in FLUX's layout.
+
+``attention(q, k, v, mask=None, out=None, q8=None) -> [B, L, H*D]``
+  q, k, v: [B, H, L, D] (RoPE already applied); mask: None, bool or additive float,
+  [L, L] / [B, L, L] / [B, H, L, L] (ComfyUI's rules); scale 1/sqrt(D).
+  out: optional [B, L, H*D] view to write into (the single block's linear2 input buffer).
+  q8: optional ``int8_format.Quant8`` of these very q / k (qk_norm_rope(quant8=True)): the 8-bit
+      backend uses it instead of its pre-pass; every other backend ignores it.
+FLOPs: 4 * B * H * L^2 * D; [1,24,4608,128]: 261 GFLOP -> 0.35 ms at 750 TFLOP/s.
+
+Backends (both opt-in, ``auto=False``: cuDNN's SDPA is faster at FLUX shapes; forced by the node's
+attention option or the fast profile)
+  ``numba``       bf16 flash-attention forward: bf16 in, fp32 accumulate / softmax, bf16 out.
+  ``numba-8bit``  SageAttention-style: S = Q8 K8^T on int8 tensor cores (exact int32), P (bf16) V
+                  (the caller's bf16 V) on bf16 tensor cores.
+``reference`` (torch SDPA) is the op's reference; ``check`` / ``check_8bit`` say why a backend
+declines a call.  Measurements and the history of every variant tried: BENCHMARKS.md.
+
+Kernels (one file each; ``config.select_bf16`` / ``select_int8`` pick one per device and head dim)
+  bf16_mma     mma.sync m16n8k16, 4 warps x 16 query rows, 64-key K / V tiles double-buffered
+               through cp.async (35 KB static shared memory; Q kept in registers); every sm_80+ GPU.
+  bf16_wgmma   Hopper wgmma, 2 warpgroups x 64 rows, 128-key tiles in a 3-stage ring moved by
+               bulk copies (K / V re-laid out once by ``tile_kv``), S(j+1) issued with P(j) V(j).
+  int8_mma     the bf16_mma structure with S on mma.sync m16n8k32 s8.
+  int8_wgmma   the bf16_wgmma structure with S on wgmma s8, the two warpgroups ping-ponging
+               (named-barrier turns, stages released on mbarriers), a 4-stage ring.
+The wgmma kernels run on sm_90 at head dim 128 only (``config.wgmma_ok``).
+
+Shared pieces, imported one way (``launch`` <- ``softmax``, ``tile_kv``, ``int8_format`` <- the
+kernel files <- ``config`` <- this module):
+  launch       ``Kernel`` (a kernel + its launch geometry), numba views, mask, output buffer, launch.
+  softmax      the wgmma kernels' online softmax (m64nN accumulator layout).
+  tile_kv      K / V as the byte image of the wgmma kernels' shared-memory tiles + the bulk copy.
+  int8_format  the int8 Q / K format (K smoothed by a per-head mean of 64 evenly spaced tokens --
+               softmax is invariant to it, no correction needed; absmax / 127 scales per 16 query
+               rows and per 64 keys, or per token from qk_norm_rope's pack) and the one-launch
+               pre-pass that writes it.
+
+Numerics common to all kernels: online softmax in fp32, base 2 (scale * log2 e folded into one
+FFMA), P rounded to bf16 for P V as in FlashAttention; query rows >= L computed on zeros and not
+stored; key columns >= L get -3e38 before the max.  The mask becomes one additive fp32
+[Bm, Hm, L, L] view (bool -> 0 / -1e30, floats clamped to >= -1e30: fast-math, no infinities),
+broadcast with stride 0; a fully masked row averages V uniformly (SDPA gives NaN).
+
+8-bit hand-off, an explicit value: flux_core.blocks decides from its options (``BlockContext.quant8``)
+to ask ``qk_norm_rope(..., quant8=...)`` for int8 Q / K with per-token scales (a ``Quant8``) and
+passes it to this op as ``q8``.  The mma kernel takes the whole pack; the wgmma kernel takes its
+Q8 + per-token Q scales and quantizes K itself (per-64-key scales, in the tile layout), so the
+block asks for Q only when ``int8_wants_k(device, head dim)`` is False.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import runtime as _rt
+from ..registry import registry
+from .launch import (normalize_mask, Kernel, _cp_ok, _words_ok, _words, _f32_1d, _arr, _c_arr,  # noqa: F401
+                     _launch, _go, _mask_args, _out_buffer, _LOG2E, _BN)
+from .tile_kv import tile_kv, tile_kv_reference  # noqa: F401
+from .int8_format import (Quant8, quant8_reference, kmean_index, usable_pack, operands,  # noqa: F401
+                          quantize_8bit, quantize_8bit_numba, _prepass)
+from . import config as configs  # noqa: F401  (the module; ``config`` is the backends' keyword)
+from .config import Bf16Config, Int8Config, build, select_bf16, select_int8, wgmma_ok  # noqa: F401
+
+OP = "attention"
+
+
+def reference(q, k, v, mask=None, out=None, q8=None):
+    B, H, L, D = q.shape
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=normalize_mask(mask), dropout_p=0.0, is_causal=False)
+    o = o.transpose(1, 2).reshape(B, L, H * D)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
+
+
+registry.register(OP, reference, doc=__doc__)
+
+_cc_cache = {}
+
+
+def capability(dev):
+    """(major, minor) of ``dev``; the simulator reports sm_80 -- it runs what a non-Hopper GPU runs
+    (tests reach the wgmma kernels through an explicit config)."""
+    if _rt.SIMULATOR:
+        return (8, 0)
+    cc = _cc_cache.get(dev)
+    if cc is None:
+        cc = _cc_cache[dev] = torch.cuda.get_device_capability(dev)
+    return cc
+
+
+def _resolve(cfg, select, q):
+    """The config of this call: ``cfg`` (checked against the device and head dim) or the selection."""
+    cc, D = capability(q.device), q.shape[-1]
+    if cfg is None:
+        return select(cc, D)
+    if cfg.kind == "wgmma" and not wgmma_ok(cc, D, _rt.SIMULATOR):
+        raise ValueError(f"{cfg} needs sm_90 and head dim 128 (got sm_{cc[0]}{cc[1]}, D={D})")
+    return cfg
+
+
+def check(q, k, v, mask=None, out=None, q8=None):
+    why = _rt.device_ok(q, k, v, mask, out)
+    if why:
+        return why
+    if capability(q.device) < (8, 0):
+        return "needs compute capability >= 8.0 (mma.sync bf16, ldmatrix, cp.async)"
+    if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"numba attention takes bf16 only (got {q.dtype})"
+    if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
+        return "q, k, v must share one [B, H, L, D] shape (self-attention)"
+    D = q.shape[-1]
+    if D % 16 or D > 128 or D < 16:
+        return f"head dim {D} unsupported (multiples of 16 up to 128)"
+    if q.shape[2] < 1:
+        return "empty sequence"
+    if q.shape[0] * q.shape[1] > 65535:
+        return "B*H > 65535 (grid y limit)"
+    if mask is not None:
+        if mask.ndim not in (2, 3, 4) or tuple(mask.shape[-2:]) != (q.shape[2], q.shape[2]):
+            return f"mask shape {tuple(mask.shape)} unsupported (need [..., L, L])"
+    if out is not None and (out.dtype != q.dtype or tuple(out.shape) != (q.shape[0], q.shape[2], q.shape[1] * D)):
+        return "out must be bf16 [B, L, H*D]"
+    return None
+
+
+def _finish(dst, out):
+    if out is not None and dst is not out:
+        out.copy_(dst)
+        return out
+    return dst
+
+
+def numba_attention(q, k, v, mask=None, out=None, q8=None, config=None):
+    """The ``numba`` backend (q8 ignored); ``config`` (a Bf16Config, benchmarks / tests) overrides
+    the selection."""
+    B, H, L, D = q.shape
+    cfg = _resolve(config, select_bf16, q)
+    kernel = build(cfg, D, mask is not None)
+    q, k, v = [x if _cp_ok(x) else x.contiguous() for x in (q, k, v)]
+    dst = _out_buffer(out, q)
+    marr, mst = _mask_args(mask, B, H, L, q.device)
+    if kernel.tile_kv:
+        k, v = tile_kv(k, v, kernel.tile_kv)
+    _launch(kernel, q, k, v, dst, marr, mst)
+    return _finish(dst, out)
+
+
+registry.register_backend(OP, "numba", numba_attention, check=check, priority=10, auto=False)
+
+
+def check_8bit(q, k, v, mask=None, out=None, q8=None):
+    why = check(q, k, v, mask, out)
+    if why:
+        return why
+    if q.shape[-1] not in (32, 64, 128):
+        return f"8-bit attention needs head dim 32, 64 or 128 (got {q.shape[-1]})"
+    return None
+
+
+def int8_wants_k(dev, D):
+    """Whether the 8-bit kernel selected for ``dev`` at head dim D reads a pack's K8 (the mma
+    kernel) or only its Q8 + Q scales (the wgmma kernel quantizes K itself, in its tile layout)."""
+    return select_int8(capability(dev), D).kind == "mma"
+
+
+def numba_attention_8bit(q, k, v, mask=None, out=None, q8=None, config=None):
+    """The ``numba-8bit`` backend: ``q8`` (a Quant8 of these q / k) replaces the pre-pass;
+    ``config`` (an Int8Config) overrides the selection."""
+    B, H, L, D = q.shape
+    cfg = _resolve(config, select_int8, q)
+    pk = usable_pack(q8, q, k, needs_k=cfg.kind == "mma")
+    kernel = build(cfg, D, mask is not None, per_token=pk is not None)
+    if not all(_words_ok(x) for x in (q, k)):
+        q, k = q.contiguous(), k.contiguous()
+    if not _cp_ok(v):
+        v = v.contiguous()
+    (q8a, k8a, qsa, ksa), Lp = operands(q, k, pk, kernel.tile_kv)
+    dst = _out_buffer(out, q)
+    marr, mst = _mask_args(mask, B, H, L, q.device)
+    if kernel.tile_kv:                  # wgmma: V as tile images for the bulk copies
+        v = tile_kv(v, None, kernel.tile_kv)[0]
+    args = (q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,
+            v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
+            dst.stride(0) // 2, dst.stride(1) // 2, mst[0], mst[1], mst[2], L, Lp, H, _LOG2E / math.sqrt(D))
+    _go(kernel, L, B * H, args, q.device)
+    return _finish(dst, out)
+
+
+registry.register_backend(OP, "numba-8bit", numba_attention_8bit, check=check_8bit, priority=5, auto=False)

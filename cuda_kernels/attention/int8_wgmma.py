@@ -1,0 +1,236 @@
+"""8-bit attention kernel on wgmma (Hopper, head dim 128 on the GPU)."""
+from .. import runtime as _rt
+from .launch import cuda, int32, int64, float32, _mma
+from .launch import SMEM_ALIGN_WG, Kernel
+from .softmax import _make_softmax
+from .tile_kv import _make_issue
+
+
+def make(cfg, D, has_mask, QTOK=False):
+    """Hopper 8-bit kernel (variant ``wgbp``) on the bf16 default's structure: 2 warpgroups x 64
+    query rows, BN-key tiles in a STAGES ring fed by bulk copies (mbarriers), S(j+1)
+    issued with P(j) V(j).  S = Q8 K8^T on wgmma m64nBNk32 s8 (exact int32) x (per-16-row Q scale
+    x per-64-key K scale, the pre-pass's); P V on bf16 wgmma.  k: the int8 K in tile_kv's image
+    (viewed as 16-bit pairs: the same core-matrix layout, 16 values per 16-byte chunk), written so
+    by the pre-pass (_make_prepass TK); v: tile_kv(v); q: the padded int8 Q (cp.async once).
+    FA3's ping-pong -- the two warpgroups take turns issuing their wgmma
+    (named barriers 1 and 2: a warpgroup waits for its turn, issues S(j+1) and P(j) V(j), hands
+    the turn over), so one warpgroup's softmax runs while the other's matrix products use the
+    tensor cores; no block barrier in the loop: each warp releases a stage on its "empty"
+    mbarrier after P(j) V(j), and the issuing thread (thread 128: the second warpgroup, which
+    runs half a turn behind) waits for that release before it reuses the stage.
+    QTOK: per-token Q scales (qsc [B*H*Lp]: qk_norm_rope's fused Quant8, whose Q8 is q), K8 and
+    its per-64-key scales from the K-only pre-pass (the per-token K scales would cost a scale per
+    column: measured 0.80 ms against 0.49 with them read from L1): each thread's two rows get
+    their own factors, f(row, half) = q_scale[row] x k_scale[half].
+    cfg: an Int8Config of kind "wgmma" (keys = BN, stages) -> ``Kernel`` (tile_kv = BN)."""
+    BN, STAGES = cfg.keys, cfg.stages
+    NWG = 2
+    assert cfg.warpgroups == NWG and cfg.ping_pong and cfg.bulk
+    BM = 64 * NWG
+    NTH = 128 * NWG
+    CH8 = D // 16
+    GB8 = CH8 * 128
+    CH = D // 8
+    GB = CH * 128
+    TB8 = BN * D
+    TBV = BN * D * 2
+    SB = TB8 + TBV
+    KT = D // 32
+    NT = BN // 8
+    NS = NT * 4
+    DT = D // 8
+    NACC = D // 2
+    PT = BN // 16
+    PR = PT * 4
+    QF = KT * 4
+    QLOADS = BM * CH8 // NTH
+    SCRW = _mma.SCR_WORDS if _rt.SIMULATOR else 0
+    SCRF = _mma.SCRF_WORDS if _rt.SIMULATOR else 0
+    NEG = float32(-3e38)
+    DK_HI = ((128 >> 4) << 16) | ((GB8 >> 4) << 32)
+    DV_HI = ((GB >> 4) << 16) | ((128 >> 4) << 32)
+    wg_qk = _mma.wgmma_op(BN, 0, "s8")
+    wg_pv = _mma.wgmma_op(D, 1)
+    wg_fence, wg_commit, wg_wait0, wg_wait1 = _mma.wg_fence, _mma.wg_commit, _mma.wg_wait0, _mma.wg_wait1
+    fence_async, ldsm_x4 = _mma.fence_proxy_async, _mma.ldsm_x4
+    cp_async16, cp_commit, cp_wait0 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0
+    quad_sum, pack_bf16 = _mma.quad_sum, _mma.pack_bf16
+    mbar_init, mbar_wait, fence_mbar_init = _mma.mbar_init, _mma.mbar_wait, _mma.fence_mbar_init
+    issue = _make_issue(TB8, TBV)
+    softmax = _make_softmax(BN, has_mask)
+    DYN = STAGES * SB > 48 * 1024 and not _rt.SIMULATOR
+    RINGS = 0 if DYN else STAGES * SB // 4
+    RALIGN = None if DYN else SMEM_ALIGN_WG
+    MBALIGN = None if _rt.SIMULATOR else 8
+    MBW = 4 * STAGES
+    EMPTY = 8 * STAGES                  # byte offset of the empty mbarriers
+    ISSUER = 128                        # the lagging warpgroup's first thread issues the loop's tiles
+    named_sync, named_arrive, mbar_arrive = _mma.named_sync, _mma.named_arrive, _mma.mbar_arrive
+    assert D % 32 == 0 and BN % 64 == 0 and BM * D <= SB and (BM * CH8) % NTH == 0
+
+    @cuda.jit(device=True, inline=True)
+    def scaled(si, s, f00, f01, f10, f11):
+        """int32 S -> fp32 with the factor of each row (this thread's g / g+8) and 64-key half."""
+        for nt in range(NT):
+            fa = f00 if nt < 8 else f01
+            fb = f10 if nt < 8 else f11
+            s[nt * 4 + 0] = float32(si[nt * 4 + 0]) * fa
+            s[nt * 4 + 1] = float32(si[nt * 4 + 1]) * fa
+            s[nt * 4 + 2] = float32(si[nt * 4 + 2]) * fb
+            s[nt * 4 + 3] = float32(si[nt * 4 + 3]) * fb
+
+    @cuda.jit(fastmath=True)
+    def kern(q, k, v, qsc, ksc, o, mask, vs0, vs1, vs2, os0, os1, ms0, ms1, ms2, L, Lp, H, sl2):
+        sm = cuda.shared.array(RINGS, int32, alignment=RALIGN)
+        scr = cuda.shared.array(SCRW, int32)
+        scrf = cuda.shared.array(SCRF, float32)
+        mbs = cuda.shared.array(MBW, int32, alignment=MBALIGN)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        l8 = lane % 8
+        j8 = lane // 8
+        bh = cuda.blockIdx.y
+        b = bh // H
+        h = bh - b * H
+        m0 = cuda.blockIdx.x * BM
+        kb = _mma.smem_base(sm)
+        mb = _mma.smem_base(mbs)
+        qaddr = kb + (warp * 2 + j8 % 2) * GB8 + (j8 // 2) * 128 + l8 * 16
+        base8 = bh * Lp * (D // 4)
+        kbase = b * vs0 // 2 + h * vs1 // 2        # tiled K8: half the words of tiled V per row
+        vbase = b * vs0 + h * vs1
+        nkt = Lp // 64
+        if QTOK:        # this thread's rows g, g + 8
+            q0 = qsc[bh * Lp + min(m0 + warp * 16 + g, Lp - 1)] * float32(sl2)
+            q1 = qsc[bh * Lp + min(m0 + warp * 16 + g + 8, Lp - 1)] * float32(sl2)
+        else:           # this warp's 16 rows
+            q0 = qsc[bh * (Lp // 16) + min(m0 // 16 + warp, Lp // 16 - 1)] * float32(sl2)
+            q1 = q0
+        for i in range(QLOADS):                 # Q8 rows (zero past the padded length)
+            c = i * NTH + tid
+            r8 = c % 8
+            cc = (c // 8) % CH8
+            grp = (c // 8) // CH8
+            row = m0 + grp * 8 + r8
+            cp_async16(sm, kb + grp * GB8 + cc * 128 + r8 * 16, q,
+                       base8 + min(row, Lp - 1) * (D // 4) + cc * 4, 16 if row < Lp else 0)
+        cp_commit()
+        cp_wait0()
+        cuda.syncthreads()
+        qf = cuda.local.array(QF, int32)
+        for kk in range(KT):
+            a0, a1, a2, a3 = ldsm_x4(sm, qaddr + kk * 256, scr)
+            qf[kk * 4 + 0] = a0
+            qf[kk * 4 + 1] = a1
+            qf[kk * 4 + 2] = a2
+            qf[kk * 4 + 3] = a3
+        fence_async()                           # generic reads of stage 0 before its bulk writes
+        cuda.syncthreads()
+        ntiles = (L + BN - 1) // BN
+        wg = warp // 4
+        if tid == 0:
+            for i in range(STAGES):
+                mbar_init(mbs, mb + 8 * i, 1)
+                mbar_init(mbs, mb + EMPTY + 8 * i, 4 * NWG)
+            fence_mbar_init()
+            for i in range(STAGES - 1):
+                if i < ntiles:
+                    issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i)
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = float32(0)
+        si = cuda.local.array(NS, int32)
+        s = cuda.local.array(NS, float32)
+        pr = cuda.local.array(PR, int32)
+        st = cuda.local.array(6, float32)
+        st[0] = NEG
+        st[1] = NEG
+        st[2] = float32(0)
+        st[3] = float32(0)
+        row0 = m0 + warp * 16 + g
+        row1 = row0 + 8
+        one = float32(1)
+
+        if wg == 1:
+            named_arrive(1, NTH)                # the first turn is warpgroup 0's
+        cuda.syncthreads()
+        mbar_wait(mbs, mb, 0)
+        dk = DK_HI | (int64(kb) >> 4)
+        named_sync(1 + wg, NTH)
+        wg_fence()
+        for kk in range(KT):
+            wg_qk(si, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3], dk + kk * 16, kk, sm, scr)
+        wg_commit()
+        named_arrive(2 - wg, NTH)
+        wg_wait0()
+        ka = ksc[bh * nkt]
+        kb2 = ksc[bh * nkt + min(1, nkt - 1)]
+        scaled(si, s, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2)
+        softmax(s, st, mask, b, h, ms0, ms1, ms2, 0, row0, L, t, one, one, scrf)
+        for i in range(PR):
+            pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
+
+        for j in range(ntiles):
+            # the next tile's copies go out before this iteration's wait for tile j+1 (a late
+            # tile must not delay the issue of the one after it)
+            if tid == ISSUER and j + STAGES - 1 < ntiles:
+                if j >= 1:                      # tile j-1 (this stage's last tile) released by every warp
+                    mbar_wait(mbs, mb + EMPTY + 8 * ((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
+                issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
+            if j + 1 < ntiles:
+                mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
+            named_sync(1 + wg, NTH)             # this warpgroup's turn on the tensor cores
+            # (phantom S(ntiles) in the last iteration, as in the bf16 kernel: all its columns >= L)
+            wg_fence()
+            dk = DK_HI | (int64(kb + ((j + 1) % STAGES) * SB) >> 4)
+            for kk in range(KT):
+                wg_qk(si, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3],
+                      dk + kk * 16, kk, sm, scr)
+            wg_commit()
+            dv = DV_HI | (int64(kb + (j % STAGES) * SB + TB8) >> 4)
+            for kk in range(PT):
+                wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
+                      dv + kk * (2 * GB // 16), 1, sm, scr)
+            wg_commit()
+            named_arrive(2 - wg, NTH)           # the other warpgroup's turn
+            wg_wait1()                          # S(j+1) done; P(j) V(j) may still run
+            kt = min((j + 1) * (BN // 64), nkt - 1)
+            ka = ksc[bh * nkt + kt]
+            kb2 = ksc[bh * nkt + min(kt + 1, nkt - 1)]
+            scaled(si, s, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2)
+            softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, one, one, scrf)
+            wg_wait0()
+            if lane == 0:
+                mbar_arrive(mbs, mb + EMPTY + 8 * (j % STAGES))    # this warp is done with tile j
+            al0 = st[4]
+            al1 = st[5]
+            if al0 < one:
+                for nt in range(DT):
+                    acc[nt * 4 + 0] *= al0
+                    acc[nt * 4 + 1] *= al0
+            if al1 < one:
+                for nt in range(DT):
+                    acc[nt * 4 + 2] *= al1
+                    acc[nt * 4 + 3] *= al1
+            for i in range(PR):
+                pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
+
+        if wg == 0:
+            named_sync(1, NTH)                  # warpgroup 1's last hand-over (no pending arrivals at exit)
+        lr0 = quad_sum(st[2], scrf)
+        lr1 = quad_sum(st[3], scrf)
+        inv0 = one / lr0
+        inv1 = one / lr1
+        obase = b * os0 + h * (D // 2) + t
+        if row0 < L:
+            for nt in range(DT):
+                o[obase + row0 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 0] * inv0, acc[nt * 4 + 1] * inv0)
+        if row1 < L:
+            for nt in range(DT):
+                o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
+
+    return Kernel(kern, rows=BM, threads=NTH, tile_kv=BN, dyn_smem=STAGES * SB if DYN else 0)
