@@ -302,6 +302,8 @@ def main():
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--res", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=2, help="runs per case; the last one is reported")
+    p.add_argument("--interleave", action="store_true", help="alternate the cases run by run (drift hits all alike); "
+                   "the table then also gives each case's median over runs 2..N")
     p.add_argument("--weights", default="/dev/shm/flux1_dev_random.safetensors")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--json", help="write all results here")
@@ -350,29 +352,34 @@ def main():
                 continue
             rec["start_s"] = round(time.time() - t0, 1)
             alive = True
+            order = ([(c, i) for i in range(a.repeat) for c in cases] if a.interleave
+                     else [(c, i) for c in cases for i in range(a.repeat)])
+            all_runs = {c: [] for c in cases}
+            for case, i in order:
+                runs = all_runs[case]
+                if proc.poll() is not None:
+                    alive = False
+                    break
+                with GpuMem() as mem:
+                    try:
+                        r = run_prompt(url, graph(case, a.steps, a.res, 7 + i, os.path.basename(a.weights),
+                                                  os.path.basename(vae_path),
+                                                  tuple(int(v) for v in a.cond_dims.split(","))), a.prompt_timeout)
+                    except Exception as e:
+                        r = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                r["peak_mib"] = mem.peak
+                runs.append(r)
+                print(f"[bench] {ver} {flags or '(default)'} {case} run {i + 1}: {r}", flush=True)
             for case in cases:
-                runs = []
-                for i in range(a.repeat):
-                    if proc.poll() is not None:
-                        alive = False
-                        break
-                    with GpuMem() as mem:
-                        try:
-                            r = run_prompt(url, graph(case, a.steps, a.res, 7 + i, os.path.basename(a.weights),
-                                                      os.path.basename(vae_path),
-                                                      tuple(int(v) for v in a.cond_dims.split(","))), a.prompt_timeout)
-                        except Exception as e:
-                            r = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-                    r["peak_mib"] = mem.peak
-                    runs.append(r)
-                    print(f"[bench] {ver} {flags or '(default)'} {case} run {i + 1}: {r}", flush=True)
+                runs = all_runs[case]
                 rec["cases"][case] = runs
                 last = runs[-1] if runs else {"ok": False, "error": "server died before this case"}
+                warm = sorted(r["s"] for r in runs[1:] if r.get("ok") and "s" in r)
+                if warm:
+                    rec.setdefault("median_warm_s", {})[case] = warm[len(warm) // 2]
                 rows.append((ver, flags or "(default)", case, f"{last.get('s', float('nan')):.2f}" if last.get("ok") else
                              "FAIL", f"{runs[0].get('s', float('nan')):.2f}" if runs and runs[0].get("ok") else "-",
                              f"{last.get('peak_mib', 0) / 1024:.1f}", "" if last.get("ok") else last.get("error", "")[:60]))
-                if proc.poll() is not None:
-                    alive = False
             alive = alive and proc.poll() is None
             rec["server_alive"] = alive
             proc.terminate()
@@ -400,6 +407,10 @@ def main():
     print(f"\n{'ComfyUI':8} {'flags':22} {'case':16} {'s/image':>8} {'first':>7} {'peakGB':>7}  note")
     for r in rows:
         print(f"{r[0]:8} {r[1]:22} {r[2]:16} {r[3]:>8} {r[4]:>7} {r[5]:>7}  {r[6]}")
+    for rec in results:
+        if rec.get("median_warm_s"):
+            print(f"median of runs 2..N, {rec['comfyui']} {rec['flags'] or '(default)'}: "
+                  + ", ".join(f"{c} {v:.2f}" for c, v in rec["median_warm_s"].items()))
 
 
 if __name__ == "__main__":

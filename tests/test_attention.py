@@ -366,13 +366,20 @@ def test_wgmma_descriptor_layout(kind, N, transb):
     assert np.allclose(d, ref.numpy(), rtol=1e-5, atol=1e-3)
 
 
+def _wgmma_at_d32():
+    """The D = 32 wgmma tests run the kernels' code in the simulator; on a GPU the wgmma kernels
+    run at head dim 128 only (a forced wgmma config at D = 32 is refused) -- the *_d128 tests."""
+    if not runtime.SIMULATOR:
+        pytest.skip("simulator test (head dim 32); on the GPU the wgmma kernels run at head dim 128 "
+                    "(test_attention_numba_default_hopper_d128 and the 8-bit d128 tests)")
+
+
 @pytest.mark.parametrize("L", [40, 400])
 def test_attention_8bit_wgmma(L):
     # int8 wgmma: 128-key tiles through tile_kv + bulk copies, 2 ping-pong warpgroups (L=400: the ring
     # wraps, ragged)
     B, H, D = 1, 1, 32
-    if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("wgmma needs sm_90")
+    _wgmma_at_d32()
     q, k, v = make(B, H, L, D, seed=17)
     k = (k + 3.0).to(torch.bfloat16)
     out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
@@ -412,8 +419,8 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
     (QTOK; in the simulator at D = 32, on the GPU only at D = 128 -> mma here).  "-q": a Q-only
     pack (quant8="q": Q8 and its scales equal the full pack's, no K8): the wgmma kernel takes it,
     the mma kernel (which reads K8) declines it and runs its pre-pass."""
-    if var.startswith("wgmma") and not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("wgmma needs sm_90")
+    if var.startswith("wgmma"):
+        _wgmma_at_d32()
     cfg = {"auto": None, "wgmma": A.configs.INT8_WGMMA, "wgmma-q": A.configs.INT8_WGMMA,
            "mma-q": A.configs.INT8_MMA}[var]
     g = torch.Generator().manual_seed(5)
@@ -460,8 +467,7 @@ def test_attention_numba_wgmma_pipelined(L, masked):
     # the bf16 wgmma kernel (128-key tiles through tile_kv and bulk copies, 2 warpgroups, 3-stage
     # ring): L=400 wraps the ring (4 tiles, ragged, zero-padded last tile) under a bool mask;
     # L=20: one tile + the phantom S after the last
-    if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("wgmma needs sm_90")
+    _wgmma_at_d32()
     B, H, D = 1, 1, 32
     q, k, v = make(B, H, L, D, seed=41 + L)
     mask = None
