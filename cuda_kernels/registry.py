@@ -180,7 +180,11 @@ class OpRegistry:
     # ------------------------------------------------------------------ autotune
     @staticmethod
     def shape_key(args, kwargs):
-        def sig(a):
+        import torch
+
+        def sig(a):  # hashable torch objects as they are: no string formatting on every call
+            if isinstance(a, torch.Tensor):
+                return (a.shape, a.dtype, a.device, a.stride())
             if hasattr(a, "shape") and hasattr(a, "dtype"):
                 return (tuple(a.shape), str(a.dtype), str(getattr(a, "device", "")), tuple(a.stride()) if hasattr(a, "stride") else ())
             if isinstance(a, (list, tuple)):

@@ -67,6 +67,8 @@ def arr(t: torch.Tensor):
 def tensor_version(t):
     """``t._version``, or None for inference-mode tensors (ComfyUI runs nodes, and loads models,
     under ``torch.inference_mode()``: such tensors have no version counter)."""
+    if t.is_inference():  # asking ``_version`` there raises, and building that error costs ~40 us
+        return None
     try:
         return t._version
     except Exception:

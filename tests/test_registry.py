@@ -118,3 +118,27 @@ def test_autotune_trials_never_write_the_callers_out(monkeypatch):
     assert r._time(op, op.backends["torch"], (x,), {"out": x}) == pytest.approx(0.1)
     assert torch.equal(x, torch.zeros(4))  # untouched by the 11 trial calls
     assert torch.equal(r.call("inc", x, out=x), torch.ones(4))
+
+
+def test_tensor_version_without_raising():
+    """runtime.tensor_version: the counter of a normal tensor, None for an inference-mode tensor --
+    found by asking is_inference() first (asking ``_version`` there raises, ~40 us per block call)."""
+    import torch
+    from flux_numba_pack.cuda_kernels import runtime
+    t = torch.zeros(3)
+    v = runtime.tensor_version(t)
+    t.add_(1)
+    assert runtime.tensor_version(t) == v + 1
+    with torch.inference_mode():
+        u = torch.zeros(3)
+    assert runtime.tensor_version(u) is None
+
+
+def test_shape_key_is_hashable_and_tells_layouts_apart():
+    import torch
+    from flux_numba_pack.cuda_kernels.registry import OpRegistry
+    x = torch.zeros(2, 4, 6)
+    a = OpRegistry.shape_key((x, [x, 1e-6]), {"out": None})
+    assert a == OpRegistry.shape_key((torch.ones(2, 4, 6), [x, 1e-6]), {"out": None}) and hash(a) == hash(a)
+    assert a != OpRegistry.shape_key((x.transpose(1, 2).contiguous().transpose(1, 2), [x, 1e-6]), {"out": None})
+    assert a != OpRegistry.shape_key((x.double(), [x, 1e-6]), {"out": None})
