@@ -94,5 +94,25 @@ def comfyui_path():
     return os.path.abspath(p), None
 
 
+def required_frontend(tree):
+    """The ``comfyui-frontend-package==X`` pin of the tree's requirements.txt, or None."""
+    try:
+        with open(os.path.join(tree, "requirements.txt")) as f:
+            m = re.search(r"^comfyui-frontend-package==([\w.]+)", f.read(), re.M)
+    except OSError:
+        return None
+    return m.group(1) if m else None
+
+
+def frontend_args(tree, py):
+    """``--front-end-root DIR`` for main.py when a copy of the frontend the tree pins lies in
+    FLUX_NUMBA_FRONTENDS (default <py's venv>/frontends)/<version> (tests/comfy_venv.sh puts the pins
+    that differ from the installed frontend there), so each tree runs with its own frontend; else []."""
+    v = required_frontend(tree)
+    base = os.environ.get("FLUX_NUMBA_FRONTENDS") or os.path.join(os.path.dirname(os.path.dirname(py)), "frontends")
+    static = os.path.join(base, v or "-", "comfyui_frontend_package", "static")
+    return ["--front-end-root", static] if v and os.path.isfile(os.path.join(static, "index.html")) else []
+
+
 def version_label(path):
     return "v" + (tree_version(path) or "?")

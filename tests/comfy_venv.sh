@@ -4,7 +4,8 @@
 # torch/torchvision pinned (TORCH, TORCHVISION), torchaudio from the newest release that accepts
 # them (TORCHAUDIO: ComfyUI v0.33's comfy.sd imports it), then the union of the trees'
 # requirements.txt (a package named in several: the last tree's line), comfy-aimdo, blake3,
-# simpleeval, the pack's requirements.txt and pytest.  Then COMFYUI_PYTHON=VENV/bin/python.
+# simpleeval, the pack's requirements.txt and pytest; each tree's pinned frontend where it differs
+# from the installed one, in VENV/frontends/<version>.  Then COMFYUI_PYTHON=VENV/bin/python.
 set -euo pipefail
 venv=$1; shift
 [ $# -ge 1 ] || { echo "usage: $0 VENV TREE [TREE...]" >&2; exit 2; }
@@ -31,6 +32,15 @@ for extra in ("comfy-aimdo", "blake3", "simpleeval>=1.0.0"):
 print("\n".join(lines.values()))
 PYEOF
 "$venv/bin/pip" install -c "$pin" -r "$req" -r "$root/requirements.txt" pytest
+# each tree's own frontend: the pins other than the installed one go to VENV/frontends/<version>,
+# where the tests start main.py with --front-end-root (tests/_comfy_trees.py: frontend_args)
+have=$("$venv/bin/python" -c "from importlib.metadata import version; print(version('comfyui-frontend-package'))")
+for tree in "$@"; do
+  fe=$(sed -n 's/^comfyui-frontend-package==\([0-9.]*\).*/\1/p' "$tree/requirements.txt")
+  if [ -n "$fe" ] && [ "$fe" != "$have" ] && [ ! -f "$venv/frontends/$fe/comfyui_frontend_package/static/index.html" ]; then
+    "$venv/bin/pip" install --no-deps --target "$venv/frontends/$fe" "comfyui-frontend-package==$fe"
+  fi
+done
 for tree in "$@"; do
   (cd "$tree" && "$venv/bin/python" -c "import sys; sys.argv=['x','--cpu']; sys.path.insert(0,'.'); import comfy.options; comfy.options.enable_args_parsing(); import comfy.model_management, comfy.sd" >/dev/null 2>&1) \
     && echo "ok: $tree imports with $venv/bin/python" || { echo "FAILED: $tree does not import with $venv/bin/python" >&2; exit 1; }

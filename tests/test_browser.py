@@ -51,7 +51,7 @@ import urllib.request
 
 import pytest
 
-from _comfy_trees import comfyui_path
+from _comfy_trees import comfyui_path, frontend_args
 
 pytestmark = pytest.mark.comfyui
 
@@ -340,13 +340,14 @@ def comfy_server():
 
 @contextlib.contextmanager
 def running_comfyui(py, comfy, base, timeout=240):
-    """Start ComfyUI on CPU (loopback, a free port, ``base`` as its base directory), wait until it
-    answers, yield (url, log path, process); stop it afterwards."""
+    """Start ComfyUI on CPU (loopback, a free port, ``base`` as its base directory; the frontend the
+    tree pins where a copy is at hand: _comfy_trees.frontend_args), wait until it answers, yield
+    (url, log path, process); stop it afterwards."""
     port = _free_port()
     logf = open(os.path.join(base, "comfyui.log"), "w")
     proc = subprocess.Popen([py, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
                              "--base-directory", base, "--database-url", "sqlite:///:memory:",
-                             "--disable-auto-launch"], cwd=comfy, stdout=logf, stderr=subprocess.STDOUT,
+                             "--disable-auto-launch", *frontend_args(comfy, py)], cwd=comfy, stdout=logf, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
     try:
