@@ -54,7 +54,7 @@ def tile_kv_reference(x, BN):
     """[B, H, L, D] (last dim contiguous) -> [B, H, NT * BN, D] view of a new buffer in which every
     BN-row tile is the byte image of its shared-memory layout in the wgmma kernels: 8-row x
     16-byte core matrices ordered (row group, 16-byte column chunk, row, 8 values), rows past L
-    zero.  One bulk copy then moves a whole tile (``_make_kernel_wgpp(..., BULK=True)``).
+    zero.  One bulk copy then moves a whole tile (the wgmma kernels: bf16_wgmma, int8_wgmma).
     (The layout does not depend on BN beyond the zero padding to NT * BN rows.)  torch version:
     two permuting copies, ~1.5 TB/s on the H200; ``tile_kv`` is the one-launch Numba kernel."""
     B, H, L, D = x.shape
