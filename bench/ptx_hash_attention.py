@@ -10,12 +10,14 @@ int8 mma (per-block scales / per-token scales), int8 wgmma (ping-pong, 4 stages;
 per-token Q scales).  Works with both the configs API (``attention.config``) and the older
 factory signatures of the tagged tree.
 
-Two hashes per kernel: ``raw`` over the PTX as numba writes it, ``code`` over the PTX with the
+Three hashes per kernel: ``raw`` over the PTX as numba writes it, ``code`` over the PTX with the
 kernel's mangled entry symbol replaced by one fixed name.  That symbol spells the defining module
 and factory (``flux_numba_pack.cuda_kernels.attention._make_kernel_wgpp.<locals>.kern``) and a
 counter of the functions numba compiled before it, so a move of a factory into another module
 changes ``raw`` and nothing else; ``code`` is the comparison that matters (every instruction,
-register and shared-memory declaration).
+register and shared-memory declaration); ``ops`` over the sorted multiset of instructions (equal
+when two kernels differ only in register numbering and instruction order).  ``--ptxas``: registers
+and spills per kernel from ptxas -v (sm_90a).
 """
 import argparse
 import hashlib
@@ -58,11 +60,43 @@ def kernels(A):
     return out
 
 
+def opcodes(ptx):
+    """The multiset of PTX instructions (opcode with its type suffixes, guards dropped), sorted:
+    equal when two kernels differ only in register numbering and instruction order."""
+    import collections
+    c = collections.Counter()
+    for ln in ptx.splitlines():
+        ln = re.sub(r"^@!?%p\d+\s+", "", ln.strip())
+        if ln and not ln.startswith(("//", ".", "{", "}", ")", "(")) and not ln.endswith(":"):
+            c[ln.split()[0]] += 1
+    return "\n".join(f"{k} {v}" for k, v in sorted(c.items()))
+
+
+def ptxas_info(ptx):
+    """' | regs R, spill S/L bytes' from ptxas -v (PTX version lowered to what ptxas reads, sm_90a
+    for wgmma)."""
+    import subprocess
+    import tempfile
+    src = re.sub(r"^\.version \d+\.\d+", ".version 8.0", ptx, count=1, flags=re.M)
+    src = re.sub(r"^\.target sm_90$", ".target sm_90a", src, count=1, flags=re.M)
+    d = tempfile.mkdtemp()
+    with open(os.path.join(d, "k.ptx"), "w") as f:
+        f.write(src)
+    r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"], cwd=d, capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    if not regs:
+        return " | ptxas failed: " + r.stderr.strip().splitlines()[-1][:80]
+    return f" | regs {regs.group(1)}, spill {sp.group(1)}/{sp.group(2)} B"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ap.add_argument("--only", default="", help="regex of kernel names")
     ap.add_argument("--dump", default="", help="folder to write each kernel's PTX to")
+    ap.add_argument("--ptxas", action="store_true",
+                    help="also assemble each PTX with ptxas -arch=sm_90a (on PATH): registers, spills")
     a = ap.parse_args()
     sys.path.insert(0, a.root)
     import _pack
@@ -85,7 +119,8 @@ def main():
         sym = re.search(r"\.entry (\S+)\(", ptx).group(1)
         code = ptx.replace(sym[3:] if sym.startswith("_ZN") else sym, "KERNEL")   # also in the NumbaEnv symbol
         h = lambda x: hashlib.sha256(x.encode()).hexdigest()[:16]  # noqa: E731
-        print(f"{name:28s} code {h(code)}  raw {h(ptx)}  ({len(code)} chars)", flush=True)
+        extra = ptxas_info(ptx) if a.ptxas else ""
+        print(f"{name:28s} code {h(code)}  raw {h(ptx)}  ops {h(opcodes(ptx))}  ({len(code)} chars){extra}", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,10 +26,13 @@ Kernels (one file each; ``config.select_bf16`` / ``select_int8`` pick one per de
                (named-barrier turns, stages released on mbarriers), a 4-stage ring.
 The wgmma kernels run on sm_90 at head dim 128 only (``config.wgmma_ok``).
 
-Shared pieces, imported one way (``launch`` <- ``softmax``, ``tile_kv``, ``int8_format`` <- the
-kernel files <- ``config`` <- this module):
+Shared pieces, imported one way (``launch`` <- ``fragments``, ``softmax``, ``tile_kv``,
+``int8_format`` <- the kernel files <- ``config`` <- this module; qk_norm_rope imports
+``int8_format``, nothing here imports qk_norm_rope):
   launch       ``Kernel`` (a kernel + its launch geometry), numba views, mask, output buffer, launch.
-  softmax      the wgmma kernels' online softmax (m64nN accumulator layout).
+  fragments    register-fragment pieces all kernels share (ids, Q fragments, S / P V on mma.sync,
+               the wgmma issue groups, O rescale and store, padded-row loads).
+  softmax      the online softmax over one S tile (mask + ragged tail, running max / sum, S -> P).
   tile_kv      K / V as the byte image of the wgmma kernels' shared-memory tiles + the bulk copy.
   int8_format  the int8 Q / K format (K smoothed by a per-head mean of 64 evenly spaced tokens --
                softmax is invariant to it, no correction needed; absmax / 127 scales per 16 query

@@ -1,9 +1,15 @@
-"""bf16 attention kernel on wgmma (Hopper, head dim 128 on the GPU)."""
+"""bf16 attention kernel on wgmma (Hopper; head dim 128 on the GPU).
+
+Q in registers (A fragments), K / V from shared memory through no-swizzle descriptors; K and V
+re-laid out once per call by ``tile_kv`` and moved one tile per bulk copy (the per-thread cp.async
+loads were the limiter: BENCHMARKS.md session 3); S(j+1) issued with P(j) V(j); a phantom S
+after the last tile keeps every wgmma group outside a branch (ptxas serializes them otherwise)."""
 from .. import runtime as _rt
 from .launch import cuda, int32, int64, float32, _mma
 from .launch import SMEM_ALIGN_WG, Kernel
+from .fragments import thread_ids, zero, start_state, make_rescale, make_store, make_q_frags, make_wg_mma
 from .softmax import _make_softmax
-from .tile_kv import _make_issue
+from .tile_kv import _make_ring
 
 
 def make(cfg, D, has_mask):
@@ -29,24 +35,19 @@ def make(cfg, D, has_mask):
     KT = D // 16
     NT = BN // 8
     NS = NT * 4
-    DT = D // 8
     NACC = D // 2
     PT = BN // 16
     PR = PT * 4
     QF = KT * 4
     SCRW = _mma.SCR_WORDS if _rt.SIMULATOR else 0
     SCRF = _mma.SCRF_WORDS if _rt.SIMULATOR else 0
-    NEG = float32(-3e38)
     HAS_MASK = has_mask
     DK_HI = ((128 >> 4) << 16) | ((GB >> 4) << 32)
     DV_HI = ((GB >> 4) << 16) | ((128 >> 4) << 32)
     wg_qk = _mma.wgmma_op(BN, 0)
     wg_pv = _mma.wgmma_op(D, 1)
-    wg_fence, wg_commit, wg_wait0, wg_wait1 = _mma.wg_fence, _mma.wg_commit, _mma.wg_wait0, _mma.wg_wait1
-    fence_async = _mma.fence_proxy_async
-    ldsm_x4 = _mma.ldsm_x4
+    wg_wait0, wg_wait1, fence_async = _mma.wg_wait0, _mma.wg_wait1, _mma.fence_proxy_async
     cp_async16, cp_commit, cp_wait0 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0
-    quad_sum, pack_bf16 = _mma.quad_sum, _mma.pack_bf16
     assert (BM * CH) % NTH == 0 and D % 16 == 0
     DYN = STAGES * SB > 48 * 1024 and not _rt.SIMULATOR      # ring in dynamic shared memory
     RINGS = 0 if DYN else RINGW
@@ -54,9 +55,10 @@ def make(cfg, D, has_mask):
     assert BM * D * 2 <= STAGES * SB and STAGES * SB <= 227 * 1024
     MBW = 2 * STAGES
     MBALIGN = None if _rt.SIMULATOR else 8
-    mbar_init, mbar_wait = _mma.mbar_init, _mma.mbar_wait
-    fence_mbar_init = _mma.fence_mbar_init
-    issue = _make_issue(TB, TB)
+    mbar_wait = _mma.mbar_wait
+    issue, ring_start = _make_ring(TB, TB, STAGES)
+    rescale, store, load_q = make_rescale(D, True), make_store(D), make_q_frags(KT, 256)
+    issue_qk, issue_pv, pack_p = make_wg_mma(KT, PT, GB, wg_qk, wg_pv)
 
     @cuda.jit(device=True, inline=True)
     def load_tile(sm, sbase, g, gbase, gstride, r0, L, tid, NLOAD):
@@ -80,16 +82,7 @@ def make(cfg, D, has_mask):
         scr = cuda.shared.array(SCRW, int32)
         scrf = cuda.shared.array(SCRF, float32)
         mbs = cuda.shared.array(MBW, int32, alignment=MBALIGN)
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        g = lane // 4
-        t = lane % 4
-        l8 = lane % 8
-        j8 = lane // 8
-        bh = cuda.blockIdx.y
-        b = bh // H
-        h = bh - b * H
+        tid, warp, lane, g, t, l8, j8, bh, b, h = thread_ids(H)
         m0 = cuda.blockIdx.x * BM
         sl = float32(sl2)
         es = float32(1) if HAS_MASK else sl
@@ -106,49 +99,29 @@ def make(cfg, D, has_mask):
         cp_wait0()
         cuda.syncthreads()
         qf = cuda.local.array(QF, int32)
-        for kk in range(KT):
-            a0, a1, a2, a3 = ldsm_x4(sm, qaddr + kk * 256, scr)
-            qf[kk * 4 + 0] = a0
-            qf[kk * 4 + 1] = a1
-            qf[kk * 4 + 2] = a2
-            qf[kk * 4 + 3] = a3
+        load_q(qf, sm, qaddr, scr)
         fence_async()                   # these generic reads of stage 0 before its bulk writes
         cuda.syncthreads()
         ntiles = (L + BN - 1) // BN
         mb = _mma.smem_base(mbs)
         if tid == 0:
-            for i in range(STAGES):
-                mbar_init(mbs, mb + 8 * i, 1)
-            fence_mbar_init()
-            for i in range(STAGES - 1):
-                if i < ntiles:
-                    issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i)
+            ring_start(sm, mbs, kb, mb, k, v, kbase, vbase, ntiles)
 
         acc = cuda.local.array(NACC, float32)
-        for i in range(NACC):
-            acc[i] = float32(0)
+        zero(acc, NACC)
         s = cuda.local.array(NS, float32)
         pr = cuda.local.array(PR, int32)
         st = cuda.local.array(6, float32)
-        st[0] = NEG
-        st[1] = NEG
-        st[2] = float32(0)
-        st[3] = float32(0)
+        start_state(st)
         row0 = m0 + warp * 16 + g
-        row1 = row0 + 8
 
         # ---- tile 0: S, softmax, P
         cuda.syncthreads()              # mbarriers initialised (and the simulator's copies done)
         mbar_wait(mbs, mb, 0)
-        dk = DK_HI | (int64(kb) >> 4)
-        wg_fence()
-        for kk in range(KT):
-            wg_qk(s, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3], dk + kk * 16, kk, sm, scr)
-        wg_commit()
+        issue_qk(s, qf, DK_HI | (int64(kb) >> 4), sm, scr)
         wg_wait0()
         softmax(s, st, mask, b, h, ms0, ms1, ms2, 0, row0, L, t, sl, es, scrf)
-        for i in range(PR):
-            pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
+        pack_p(pr, s)
 
         for j in range(ntiles):
             cuda.syncthreads()          # every warp is past P(j-1) V(j-1): stage (j-1) % S is free
@@ -161,43 +134,16 @@ def make(cfg, D, has_mask):
             # it cannot count the groups): the last iteration computes a phantom S(ntiles) from a
             # stale stage; its columns are all >= L, so they become -3e38 before the max (NaN-proof),
             # the max does not move (al = 1) and p = 0: the state is unchanged.
-            wg_fence()
             dk = DK_HI | (int64(kb + ((j + 1) % STAGES) * SB) >> 4)
-            for kk in range(KT):
-                wg_qk(s, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3],
-                      dk + kk * 16, kk, sm, scr)
-            wg_commit()
             dv = DV_HI | (int64(kb + (j % STAGES) * SB + TB) >> 4)
-            for kk in range(PT):
-                wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
-                      dv + kk * (2 * GB // 16), 1, sm, scr)
-            wg_commit()
+            issue_qk(s, qf, dk, sm, scr)
+            issue_pv(acc, pr, dv, sm, scr)
             wg_wait1()                  # S(j+1) done; P(j) V(j) may still run
             softmax(s, st, mask, b, h, ms0, ms1, ms2, (j + 1) * BN, row0, L, t, sl, es, scrf)
             wg_wait0()
-            al0 = st[4]
-            al1 = st[5]
-            if al0 < float32(1):
-                for nt in range(DT):
-                    acc[nt * 4 + 0] *= al0
-                    acc[nt * 4 + 1] *= al0
-            if al1 < float32(1):
-                for nt in range(DT):
-                    acc[nt * 4 + 2] *= al1
-                    acc[nt * 4 + 3] *= al1
-            for i in range(PR):
-                pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
+            rescale(acc, st[4], st[5])
+            pack_p(pr, s)
 
-        lr0 = quad_sum(st[2], scrf)
-        lr1 = quad_sum(st[3], scrf)
-        inv0 = float32(1) / lr0
-        inv1 = float32(1) / lr1
-        obase = b * os0 + h * (D // 2) + t
-        if row0 < L:
-            for nt in range(DT):
-                o[obase + row0 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 0] * inv0, acc[nt * 4 + 1] * inv0)
-        if row1 < L:
-            for nt in range(DT):
-                o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
+        store(o, acc, st[2], st[3], b * os0 + h * (D // 2), os1, row0, L, t, scrf)
 
     return Kernel(kern, rows=BM, threads=NTH, tile_kv=BN, dyn_smem=STAGES * SB if DYN else 0)

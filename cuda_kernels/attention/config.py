@@ -8,20 +8,9 @@ Benchmarks and tests pass a config explicitly to ``numba_attention`` / ``numba_a
 nothing is read from the environment.
 
 Kernel families retired at tag ``attention-variants-pre-retire`` (correct, measured slower, the
-default on no GPU; numbers from BENCHMARKS.md, the kept default's beside them):
-  bf16  w32 / w32x8 / w32n16 (32 query rows per warp, FA2 tiling): 1.133 / 1.035 / 1.187 ms vs mma 1.009
-  bf16  wg / wgr / wg2 (wgmma, single-buffered cp.async K / V): 1.71 / 1.80 / 1.24 ms
-  bf16  wgp / wgpp / wgpp64 / wgppr (wgmma, cp.async ring): 1.90 / 1.80 / 1.81 ms; 128x2s3 1.074
-  bf16  unchecked full-tile cp.async loads (FL): 1.001 ms vs 1.058 checked -- both 1.8x the bulk kernel
-  bf16  producer warp (WS: 32x1s4w / 32x2s6w): 0.656 / 0.781 ms vs 128x2s3b 0.561
-  bf16  mbarrier stage release (REL, 128x2s3e): 0.594 ms; + ping-pong warpgroups (PP): 0.595
-  int8  wg / wgr (one warpgroup, cp.async): op 1.49 ms vs the mma kernel's 0.90
-  int8  wgb (block barrier per tile, 3 stages): kernel 0.520-0.530 ms vs ping-pong 0.487
-  int8  wgbpf (int32-direct softmax, FS): 0.492-0.498 ms vs 0.487 (more registers: 254 vs 226)
-  int8  per-token K scales in the wgmma kernel: 0.855 ms (spills) vs per-64-key scales 0.617 (op)
-  int8  torch pre-pass (the former environment knob): 1.11 ms vs the one-launch Numba pre-pass 0.091
-  ablation flags (ABL: loads / softmax / P V / barrier / fence switched off) went with them; their
-  numbers stay in BENCHMARKS.md (sessions 3-4).
+default on no GPU): one comment line each inside ``select_bf16`` / ``select_int8``.  The ablation
+flags (loads / softmax / P V / barrier / fence switched off) went with them; their numbers stay
+in BENCHMARKS.md (sessions 3-4) and the tag reproduces them.
 """
 from dataclasses import dataclass
 
@@ -87,6 +76,13 @@ def wgmma_ok(cc, D, simulator=False):
 
 def select_bf16(cc, D):
     """The bf16 kernel for compute capability ``cc`` (major, minor) and head dim D."""
+    # retired (tag attention-variants-pre-retire; H200, [1,24,4608,128], vs the kept kernels' numbers below):
+    #   w32 / w32x8 / w32n16 (32 query rows per warp, FA2 tiling): 1.133 / 1.035 / 1.187 ms vs mma 1.009
+    #   wg / wgr / wg2 (wgmma, single-buffered cp.async K / V): 1.71 / 1.80 / 1.24 ms
+    #   wgp / wgpp / wgpp64 / wgppr (wgmma, cp.async ring): 1.90 / 1.80 / 1.81 ms; 128x2s3 ring 1.074
+    #   unchecked full-tile cp.async loads (FL): 1.001 ms vs 1.058 checked -- both 1.8x the bulk kernel
+    #   producer warp (WS: 32x1s4w / 32x2s6w): 0.656 / 0.781 ms vs 128x2s3 bulk 0.561
+    #   mbarrier stage release (REL, 128x2s3e): 0.594 ms; + ping-pong warpgroups (PP): 0.595
     if wgmma_ok(cc, D):
         # kernel 0.561 ms + tile_kv 0.050 = op 0.620 ms (421 TFLOP/s) vs mma 1.000; errors = SDPA's
         return BF16_WGMMA
@@ -96,6 +92,12 @@ def select_bf16(cc, D):
 
 def select_int8(cc, D):
     """The 8-bit kernel for compute capability ``cc`` and head dim D."""
+    # retired (tag attention-variants-pre-retire; H200, [1,24,4608,128]):
+    #   wg / wgr (one warpgroup, cp.async): op 1.49 ms vs the mma kernel's 0.90
+    #   wgb (block barrier per tile, 3 stages): kernel 0.520-0.530 ms vs ping-pong 0.487
+    #   wgbpf (int32-direct softmax, FS): 0.492-0.498 ms vs 0.487 (more registers: 254 vs 226)
+    #   per-token K scales in the wgmma kernel: op 0.855 ms (spills) vs per-64-key scales 0.617
+    #   torch pre-pass (the former environment knob): 1.11 ms vs the one-launch Numba pre-pass 0.091
     if wgmma_ok(cc, D):
         # kernel 0.487 ms; op 0.664 with the pre-pass, 0.617 fed by qk_norm_rope's pack vs mma 0.90
         return INT8_WGMMA

@@ -1,13 +1,20 @@
-"""8-bit attention kernel on wgmma (Hopper, head dim 128 on the GPU)."""
+"""8-bit attention kernel on wgmma (Hopper; head dim 128 on the GPU): int8 S, ping-pong warpgroups.
+
+bf16_wgmma's structure (2 warpgroups x 64 query rows, 128-key tiles in a bulk-copy ring, S(j+1)
+issued with P(j) V(j)) with S = Q8 K8^T on wgmma s8 and the two warpgroups taking turns on the
+tensor cores (FA3's ping-pong: named barriers 1 / 2), so one's softmax overlaps the other's
+matrix products; stages are released on "empty" mbarriers instead of a block barrier, and the
+lagging warpgroup's first thread issues the copies.  4 stages (192 KB of dynamic shared memory)."""
 from .. import runtime as _rt
 from .launch import cuda, int32, int64, float32, _mma
 from .launch import SMEM_ALIGN_WG, Kernel
+from .fragments import thread_ids, zero, start_state, make_rescale, make_store, make_q_frags, make_wg_mma
 from .softmax import _make_softmax
-from .tile_kv import _make_issue
+from .tile_kv import _make_ring
 
 
 def make(cfg, D, has_mask, QTOK=False):
-    """Hopper 8-bit kernel (variant ``wgbp``) on the bf16 default's structure: 2 warpgroups x 64
+    """Hopper 8-bit kernel on the bf16 wgmma kernel's structure: 2 warpgroups x 64
     query rows, BN-key tiles in a STAGES ring fed by bulk copies (mbarriers), S(j+1)
     issued with P(j) V(j).  S = Q8 K8^T on wgmma m64nBNk32 s8 (exact int32) x (per-16-row Q scale
     x per-64-key K scale, the pre-pass's); P V on bf16 wgmma.  k: the int8 K in tile_kv's image
@@ -39,7 +46,6 @@ def make(cfg, D, has_mask, QTOK=False):
     KT = D // 32
     NT = BN // 8
     NS = NT * 4
-    DT = D // 8
     NACC = D // 2
     PT = BN // 16
     PR = PT * 4
@@ -47,18 +53,16 @@ def make(cfg, D, has_mask, QTOK=False):
     QLOADS = BM * CH8 // NTH
     SCRW = _mma.SCR_WORDS if _rt.SIMULATOR else 0
     SCRF = _mma.SCRF_WORDS if _rt.SIMULATOR else 0
-    NEG = float32(-3e38)
     DK_HI = ((128 >> 4) << 16) | ((GB8 >> 4) << 32)
     DV_HI = ((GB >> 4) << 16) | ((128 >> 4) << 32)
     wg_qk = _mma.wgmma_op(BN, 0, "s8")
     wg_pv = _mma.wgmma_op(D, 1)
-    wg_fence, wg_commit, wg_wait0, wg_wait1 = _mma.wg_fence, _mma.wg_commit, _mma.wg_wait0, _mma.wg_wait1
-    fence_async, ldsm_x4 = _mma.fence_proxy_async, _mma.ldsm_x4
-    cp_async16, cp_commit, cp_wait0 = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0
-    quad_sum, pack_bf16 = _mma.quad_sum, _mma.pack_bf16
-    mbar_init, mbar_wait, fence_mbar_init = _mma.mbar_init, _mma.mbar_wait, _mma.fence_mbar_init
-    issue = _make_issue(TB8, TBV)
+    wg_wait0, wg_wait1, fence_async = _mma.wg_wait0, _mma.wg_wait1, _mma.fence_proxy_async
+    cp_async16, cp_commit, cp_wait0, mbar_wait = _mma.cp_async16, _mma.cp_commit, _mma.cp_wait0, _mma.mbar_wait
+    issue, ring_start = _make_ring(TB8, TBV, STAGES, RELEASE=4 * NWG)
     softmax = _make_softmax(BN, has_mask)
+    rescale, store, load_q = make_rescale(D, True), make_store(D), make_q_frags(KT, 256)
+    issue_qk, issue_pv, pack_p = make_wg_mma(KT, PT, GB, wg_qk, wg_pv)
     DYN = STAGES * SB > 48 * 1024 and not _rt.SIMULATOR
     RINGS = 0 if DYN else STAGES * SB // 4
     RALIGN = None if DYN else SMEM_ALIGN_WG
@@ -86,16 +90,7 @@ def make(cfg, D, has_mask, QTOK=False):
         scr = cuda.shared.array(SCRW, int32)
         scrf = cuda.shared.array(SCRF, float32)
         mbs = cuda.shared.array(MBW, int32, alignment=MBALIGN)
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        g = lane // 4
-        t = lane % 4
-        l8 = lane % 8
-        j8 = lane // 8
-        bh = cuda.blockIdx.y
-        b = bh // H
-        h = bh - b * H
+        tid, warp, lane, g, t, l8, j8, bh, b, h = thread_ids(H)
         m0 = cuda.blockIdx.x * BM
         kb = _mma.smem_base(sm)
         mb = _mma.smem_base(mbs)
@@ -122,37 +117,21 @@ def make(cfg, D, has_mask, QTOK=False):
         cp_wait0()
         cuda.syncthreads()
         qf = cuda.local.array(QF, int32)
-        for kk in range(KT):
-            a0, a1, a2, a3 = ldsm_x4(sm, qaddr + kk * 256, scr)
-            qf[kk * 4 + 0] = a0
-            qf[kk * 4 + 1] = a1
-            qf[kk * 4 + 2] = a2
-            qf[kk * 4 + 3] = a3
+        load_q(qf, sm, qaddr, scr)
         fence_async()                           # generic reads of stage 0 before its bulk writes
         cuda.syncthreads()
         ntiles = (L + BN - 1) // BN
         wg = warp // 4
         if tid == 0:
-            for i in range(STAGES):
-                mbar_init(mbs, mb + 8 * i, 1)
-                mbar_init(mbs, mb + EMPTY + 8 * i, 4 * NWG)
-            fence_mbar_init()
-            for i in range(STAGES - 1):
-                if i < ntiles:
-                    issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i)
+            ring_start(sm, mbs, kb, mb, k, v, kbase, vbase, ntiles)
         acc = cuda.local.array(NACC, float32)
-        for i in range(NACC):
-            acc[i] = float32(0)
+        zero(acc, NACC)
         si = cuda.local.array(NS, int32)
         s = cuda.local.array(NS, float32)
         pr = cuda.local.array(PR, int32)
         st = cuda.local.array(6, float32)
-        st[0] = NEG
-        st[1] = NEG
-        st[2] = float32(0)
-        st[3] = float32(0)
+        start_state(st)
         row0 = m0 + warp * 16 + g
-        row1 = row0 + 8
         one = float32(1)
 
         if wg == 1:
@@ -161,18 +140,14 @@ def make(cfg, D, has_mask, QTOK=False):
         mbar_wait(mbs, mb, 0)
         dk = DK_HI | (int64(kb) >> 4)
         named_sync(1 + wg, NTH)
-        wg_fence()
-        for kk in range(KT):
-            wg_qk(si, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3], dk + kk * 16, kk, sm, scr)
-        wg_commit()
+        issue_qk(si, qf, dk, sm, scr)
         named_arrive(2 - wg, NTH)
         wg_wait0()
         ka = ksc[bh * nkt]
         kb2 = ksc[bh * nkt + min(1, nkt - 1)]
         scaled(si, s, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2)
         softmax(s, st, mask, b, h, ms0, ms1, ms2, 0, row0, L, t, one, one, scrf)
-        for i in range(PR):
-            pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
+        pack_p(pr, s)
 
         for j in range(ntiles):
             # the next tile's copies go out before this iteration's wait for tile j+1 (a late
@@ -185,17 +160,10 @@ def make(cfg, D, has_mask, QTOK=False):
                 mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
             named_sync(1 + wg, NTH)             # this warpgroup's turn on the tensor cores
             # (phantom S(ntiles) in the last iteration, as in the bf16 kernel: all its columns >= L)
-            wg_fence()
             dk = DK_HI | (int64(kb + ((j + 1) % STAGES) * SB) >> 4)
-            for kk in range(KT):
-                wg_qk(si, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3],
-                      dk + kk * 16, kk, sm, scr)
-            wg_commit()
             dv = DV_HI | (int64(kb + (j % STAGES) * SB + TB8) >> 4)
-            for kk in range(PT):
-                wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3],
-                      dv + kk * (2 * GB // 16), 1, sm, scr)
-            wg_commit()
+            issue_qk(si, qf, dk, sm, scr)
+            issue_pv(acc, pr, dv, sm, scr)
             named_arrive(2 - wg, NTH)           # the other warpgroup's turn
             wg_wait1()                          # S(j+1) done; P(j) V(j) may still run
             kt = min((j + 1) * (BN // 64), nkt - 1)
@@ -206,31 +174,11 @@ def make(cfg, D, has_mask, QTOK=False):
             wg_wait0()
             if lane == 0:
                 mbar_arrive(mbs, mb + EMPTY + 8 * (j % STAGES))    # this warp is done with tile j
-            al0 = st[4]
-            al1 = st[5]
-            if al0 < one:
-                for nt in range(DT):
-                    acc[nt * 4 + 0] *= al0
-                    acc[nt * 4 + 1] *= al0
-            if al1 < one:
-                for nt in range(DT):
-                    acc[nt * 4 + 2] *= al1
-                    acc[nt * 4 + 3] *= al1
-            for i in range(PR):
-                pr[i] = pack_bf16(s[2 * i], s[2 * i + 1])
+            rescale(acc, st[4], st[5])
+            pack_p(pr, s)
 
         if wg == 0:
             named_sync(1, NTH)                  # warpgroup 1's last hand-over (no pending arrivals at exit)
-        lr0 = quad_sum(st[2], scrf)
-        lr1 = quad_sum(st[3], scrf)
-        inv0 = one / lr0
-        inv1 = one / lr1
-        obase = b * os0 + h * (D // 2) + t
-        if row0 < L:
-            for nt in range(DT):
-                o[obase + row0 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 0] * inv0, acc[nt * 4 + 1] * inv0)
-        if row1 < L:
-            for nt in range(DT):
-                o[obase + row1 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1, acc[nt * 4 + 3] * inv1)
+        store(o, acc, st[2], st[3], b * os0 + h * (D // 2), os1, row0, L, t, scrf)
 
     return Kernel(kern, rows=BM, threads=NTH, tile_kv=BN, dyn_smem=STAGES * SB if DYN else 0)

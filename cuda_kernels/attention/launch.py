@@ -19,9 +19,7 @@ try:  # numba is a hard requirement of the numba backends only; the reference ne
 except Exception:  # pragma: no cover - reported by runtime.numba_status()
     cuda = int32 = int64 = float32 = _mma = None
 
-_BM = 64                # the int8 mma kernel's query rows; the pre-pass's Q-tile
-_BN = 64                # ... key tile = the K-scale granularity of the pre-pass
-_NW = 4
+_BN = 64                # the pre-pass's tile: K scales per 64 keys (Q per 16 rows), Lp a multiple of 64
 _LOG2E = 1.4426950408889634
 # ldmatrix rows and cp.async destinations must be 16-byte aligned (numba's default is the dtype's);
 # the simulator rejects the alignment argument, and checks the alignment itself (mma.py).

@@ -28,11 +28,33 @@ def _make_issue(TBK, TBV):
     return issue
 
 
+def _make_ring(TBK, TBV, STAGES, RELEASE=0):
+    """(issue, start) of a STAGES-deep bulk-copy ring: ``start(sm, mbs, kb, mb, k, v, kbase, vbase,
+    ntiles)`` (one thread) initialises the stages' "full" mbarriers (and RELEASE > 0: their "empty"
+    ones, at byte offset 8 * STAGES, completed by RELEASE arrivals) and issues tiles 0 .. S-2."""
+    issue = _make_issue(TBK, TBV)
+    EMPTY = 8 * STAGES
+    mbar_init, fence_mbar_init = _mma.mbar_init, _mma.fence_mbar_init
+
+    @cuda.jit(device=True, inline=True)
+    def start(sm, mbs, kb, mb, k, v, kbase, vbase, ntiles):
+        for i in range(STAGES):
+            mbar_init(mbs, mb + 8 * i, 1)
+            if RELEASE:
+                mbar_init(mbs, mb + EMPTY + 8 * i, RELEASE)
+        fence_mbar_init()
+        for i in range(STAGES - 1):
+            if i < ntiles:
+                issue(sm, mbs, kb, mb, k, v, kbase, vbase, i, i)
+
+    return issue, start
+
+
 def tile_kv_reference(x, BN):
     """[B, H, L, D] (last dim contiguous) -> [B, H, NT * BN, D] view of a new buffer in which every
     BN-row tile is the byte image of its shared-memory layout in the wgmma kernels: 8-row x
     16-byte core matrices ordered (row group, 16-byte column chunk, row, 8 values), rows past L
-    zero.  One bulk copy then moves a whole tile (``_make_kernel_wgpp(..., BULK=True)``).
+    zero.  One bulk copy then moves a whole tile (the wgmma kernels: bf16_wgmma, int8_wgmma).
     (The layout does not depend on BN beyond the zero padding to NT * BN rows.)  torch version:
     two permuting copies, ~1.5 TB/s on the H200; ``tile_kv`` is the one-launch Numba kernel."""
     B, H, L, D = x.shape
