@@ -601,3 +601,11 @@ def test_attention_8bit_default_hopper_d128(B, H, L, masked, fused):
     assert not torch.isnan(out).any()
     e = rel(out, ref32(q, k, v, mask))
     assert e < 2e-2, e
+
+
+def test_capability_of_a_cpu_device(monkeypatch):
+    """Off the simulator a CPU tensor has no compute capability to ask torch for (a CPU-only torch
+    raises): the selection treats it as no GPU -- the 8-bit path then wants a full pack (mma)."""
+    monkeypatch.setattr(A._rt, "SIMULATOR", False)
+    assert A.capability(torch.device("cpu")) == (0, 0)
+    assert A.int8_wants_k(torch.device("cpu"), 128) is True

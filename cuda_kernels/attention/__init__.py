@@ -89,6 +89,8 @@ def capability(dev):
     (tests reach the wgmma kernels through an explicit config)."""
     if _rt.SIMULATOR:
         return (8, 0)
+    if getattr(dev, "type", str(dev).split(":")[0]) != "cuda":
+        return (0, 0)  # not a CUDA device (a CPU tensor on a CPU-only torch): no kernel runs there
     cc = _cc_cache.get(dev)
     if cc is None:
         cc = _cc_cache[dev] = torch.cuda.get_device_capability(dev)
