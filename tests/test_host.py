@@ -277,3 +277,44 @@ def test_failure_turns_the_path_off_at_no_cost(comfy, monkeypatch):
     assert len(entered) == 1
     st = patch_stats(pm)
     assert st["stock"] == 3 * N_BLOCKS - 1 and st["fallbacks"] == 1
+
+
+@pytest.mark.parametrize("method", ["index", "index_timestep_zero"])
+def test_reference_latents(comfy, caplog, method):
+    """Kontext-style reference latents: extra image tokens go through the pack ("index"); with
+    ``index_timestep_zero`` the blocks get per-token modulation rows (modulation_dims), which the
+    fused path does not implement: the block runs stock, with a log line naming it (for a FLUX.1
+    model stock v0.33 itself fails in that mode: the patched model fails the same way)."""
+    import inspect
+    mp = tiny_patcher(comfy)
+    dm = mp.model.diffusion_model
+    if "timestep_zero_index" not in inspect.signature(dm.forward_orig).parameters and method != "index":
+        pytest.skip(f"ComfyUI {version()} has no index_timestep_zero reference mode")
+    inp = _inputs(torch.float32, B=1)
+    ref_lat = [torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(9))]
+
+    def fwd(m):
+        to = dict(m.model_options["transformer_options"])
+        with torch.inference_mode():
+            return m.model.diffusion_model(inp["x"].clone(), inp["timestep"], inp["context"], y=inp["y"],
+                                           guidance=inp["guidance"], ref_latents=ref_lat, transformer_options=to,
+                                           ref_latents_method=method)
+    pm, = Patch().patch(mp, backend="torch")
+    try:
+        ref = fwd(mp)
+    except RuntimeError as e:  # v0.33: a FLUX.1 model (per-block modulation) cannot run this mode in stock
+        with caplog.at_level(logging.WARNING, logger="flux_numba"):
+            with pytest.raises(RuntimeError) as got:
+                fwd(pm)
+        assert str(got.value) == str(e), "the patched model must fail exactly as stock does"
+        assert "modulation_dims" in caplog.text and patch_stats(pm)["calls"] == 0
+        return
+    with caplog.at_level(logging.WARNING, logger="flux_numba"):
+        out = fwd(pm)
+    st = patch_stats(pm)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), rel_err(out, ref)
+    if method == "index":
+        assert st["fallbacks"] == 0 and st["calls"] == N_BLOCKS, st
+    else:
+        assert st["calls"] == 0 and st["fallbacks"] == N_BLOCKS, st
+        assert caplog.text.count("modulation_dims") == 2, caplog.text
