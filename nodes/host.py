@@ -20,11 +20,14 @@ and is handled here (nowhere else in the pack):
     ``["attn1_output_patch"]`` and take ``modulation_dims`` (Kontext ``index_timestep_zero``)
     through the original block's closure; ``call_problem`` names them so that call runs stock.
 
+The VAE patch's GroupNorm weights come through ``op_weights`` the same way.
+
 Other versions: every block's type is checked (``block_problem``); anything not a FLUX.1 block
 runs stock with a log line naming the reason.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -57,6 +60,22 @@ def _casts_per_call(m) -> bool:
 
 def _plain_tensor(t) -> bool:
     return t is None or type(t.data) is torch.Tensor
+
+
+@contextlib.contextmanager
+def op_weights(m, like):
+    """``(weight, bias)`` of a module for input ``like``, the way ComfyUI's op forward gets them:
+    through ``cast_bias_weight`` (handed back on exit) when the op casts per call or carries weight
+    functions, else the module's own tensors.  Used by the VAE patch's GroupNorm."""
+    if _casts_per_call(m):
+        import comfy.ops
+        w, b, state = comfy.ops.cast_bias_weight(m, like, offloadable=True)
+        try:
+            yield w, b
+        finally:
+            comfy.ops.uncast_bias_weight(m, w, b, state)
+    else:
+        yield m.weight, m.bias
 
 
 class ComfyWeights(Weights):

@@ -30,6 +30,7 @@ import logging
 import torch
 
 from ..cuda_kernels import registry, runtime
+from .host import op_weights
 
 log = logging.getLogger("flux_numba")
 
@@ -54,15 +55,8 @@ def _every_op():
 def group_norm_act(norm, x, silu: bool):
     """``norm(x)`` (+ SiLU) through the registry, honouring ComfyUI's weight casting."""
     _every_op()
-    if (getattr(norm, "comfy_cast_weights", False) or len(getattr(norm, "weight_function", ())) > 0
-            or len(getattr(norm, "bias_function", ())) > 0):
-        import comfy.ops
-        w, b, offload = comfy.ops.cast_bias_weight(norm, x, offloadable=True)
-        try:
-            return registry.call(OP, x, norm.num_groups, w, b, norm.eps, silu=silu)
-        finally:
-            comfy.ops.uncast_bias_weight(norm, w, b, offload)
-    return registry.call(OP, x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu=silu)
+    with op_weights(norm, x) as (w, b):
+        return registry.call(OP, x, norm.num_groups, w, b, norm.eps, silu=silu)
 
 
 def _backend_ctx(mod):

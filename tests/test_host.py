@@ -318,3 +318,23 @@ def test_reference_latents(comfy, caplog, method):
     else:
         assert st["calls"] == 0 and st["fallbacks"] == N_BLOCKS, st
         assert caplog.text.count("modulation_dims") == 2, caplog.text
+
+
+def test_op_weights_for_the_vae_groupnorm(comfy, monkeypatch):
+    """The VAE patch's GroupNorm weights: the module's own tensors, or -- when the op casts per call
+    or carries a weight function -- cast_bias_weight's result, handed back on exit."""
+    import comfy.ops
+    from flux_numba_pack.nodes.host import op_weights
+    gn = comfy.ops.disable_weight_init.GroupNorm(4, 8)
+    gn.weight = torch.nn.Parameter(torch.randn(8), requires_grad=False)
+    gn.bias = torch.nn.Parameter(torch.randn(8), requires_grad=False)
+    x = torch.randn(1, 8, 2, 2)
+    with op_weights(gn, x) as (w, b):
+        assert w is gn.weight and b is gn.bias
+    uncast = []
+    real = comfy.ops.uncast_bias_weight
+    monkeypatch.setattr(comfy.ops, "uncast_bias_weight", lambda *a: (uncast.append(a[0]), real(*a)))
+    monkeypatch.setattr(gn, "weight_function", [lambda t: t * 3.0], raising=False)
+    with op_weights(gn, x) as (w, b):
+        assert torch.equal(w, gn.weight * 3.0) and torch.equal(b, gn.bias)
+    assert uncast == [gn]
