@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from .host import ComfyWeights, call_problem, resolve_block
+from .host import ComfyWeights, block_problem, call_problem, resolve_block
 
 log = logging.getLogger("flux_numba")
 
@@ -77,7 +77,6 @@ def _is_oom(e: BaseException) -> bool:
             return True
     except Exception:
         pass
-    import torch
     return isinstance(e, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(e).lower()
 
 
@@ -93,7 +92,6 @@ def unavailable_reason(model_patcher, backend: str) -> Optional[str]:
     why = runtime.numba_status()
     if why:
         return f"numba-cuda unusable: {why}"
-    import torch
     if not torch.cuda.is_available():
         return "no CUDA GPU visible to torch"
     dev = getattr(model_patcher, "load_device", None)
@@ -102,14 +100,7 @@ def unavailable_reason(model_patcher, backend: str) -> Optional[str]:
     return None
 
 
-def block_problem(kind: str, blk) -> Optional[str]:
-    """None when ``blk`` is a stock FLUX.1 block that flux_core.blocks computes exactly (host adapter)."""
-    from .host import block_problem as problem
-    return problem(kind, blk)
-
-
 def _input_problem(kind, blk, args) -> Optional[str]:
-    import torch
     C = blk.hidden_size
     img, vec = args.get("img"), args.get("vec")
     streams = [("img", img)] + ([("txt", args.get("txt"))] if kind == "double" else [])
