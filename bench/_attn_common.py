@@ -1,5 +1,7 @@
 """Pieces shared by the attention GPU scripts (gpu_attention.py, gpu_attn8.py): the dry-run
 shims (CPU simulator smoke test of a script's flow), notes, the fp32 reference, event timing."""
+import json
+import os
 import time
 
 import torch
@@ -93,3 +95,20 @@ def graph_ms(fn, n=10):
     t = time_ms(gr.replay, reps=20) / n
     del gr
     return t
+
+
+def finish(json_name, obj, title, rows):
+    """The attention scripts' last lines: JSON of the run to $OUT/json_name when OUT is set, then
+    the title and the rows as a left-aligned table."""
+    out = os.environ.get("OUT")
+    if out:
+        try:
+            with open(os.path.join(out, json_name), "w") as f:
+                json.dump(obj, f, indent=1, default=str)
+        except Exception as ex:
+            print("JSON write failed:", ex)
+    print(title)
+    n = max((len(r) for r in rows), default=0)
+    w = [max(len(str(r[i])) for r in rows) for i in range(n)]
+    for r in rows:
+        print("  ".join(str(c).ljust(w[i]) for i, c in enumerate(r)))

@@ -16,7 +16,6 @@ Timing: CUDA events, median of 25 after warm-up, SDPA (cuDNN / default choice) v
 TFLOP/s = 4*B*H*L^2*D / t.  Bars: bf16 >= 400 TFLOP/s with err <= 1.1x SDPA's; 8-bit <= 0.33 ms
 with err <= 2%.  Never stops at the first failure; prints the table last; JSON to $OUT if set.
 """
-import json
 import os
 import sys
 import time
@@ -239,13 +238,7 @@ def main():
         except Exception as ex:
             traceback.print_exc()
             rows.append(("step", "", f"{type(ex).__name__}: {ex}"[:60], "ERR"))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_attention.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    print(f"\n=== attention ({time.time() - T0:.0f}s) ===")
-    w = [max(len(str(r[i])) for r in rows) for i in range(4)]
-    for r in rows:
-        print("  ".join(str(c).ljust(w[i]) for i, c in enumerate(r)))
+    AC.finish("gpu_attention.json", results, f"\n=== attention ({time.time() - T0:.0f}s) ===", rows)
 
 
 if __name__ == "__main__":

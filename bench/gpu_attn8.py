@@ -20,7 +20,6 @@ qk_norm_rope plain vs quant8 (GB/s vs the 3.7 TB/s copy ceiling), old 8-bit path
 kernel) vs the fused kernel alone, whole prologue+attention old vs fused, cuDNN SDPA.
 Never stops at the first failure; prints the table last.
 """
-import json
 import math
 import os
 import sys
@@ -248,17 +247,7 @@ def main():
         if time.time() - T0 > 110 and not DRY:
             print("time budget reached; skipping the rest", flush=True)
             break
-    out = os.environ.get("OUT")
-    if out:
-        try:
-            with open(os.path.join(out, "gpu_attn8.json"), "w") as f:
-                json.dump(results, f, indent=1, default=str)
-        except Exception as ex:
-            print("JSON write failed:", ex)
-    print("\n==== gpu_attn8 summary (H=%d, D=%d) ====" % (H, D))
-    w = [max(len(str(r[i])) for r in rows) for i in range(4)] if rows else [0] * 4
-    for r in rows:
-        print("  ".join(str(x).ljust(w[i]) for i, x in enumerate(r)))
+    AC.finish("gpu_attn8.json", results, "\n==== gpu_attn8 summary (H=%d, D=%d) ====" % (H, D), rows)
     print(f"total {time.time() - T0:.1f}s")
 
 

@@ -13,7 +13,6 @@ norm vs fp32 attention (bars: bf16 <= 1.1 x SDPA's, 8-bit <= 2%).  Reference num
 BENCHMARKS.md): bf16 wgmma op 0.61-0.62 ms, 8-bit wgmma op 0.66 (pack-fed 0.62), errors 0.228% /
 1.26%.  Prints a table last; JSON to $OUT/gpu_attn_kernels.json if $OUT is set.
 """
-import json
 import os
 import sys
 import traceback
@@ -120,13 +119,8 @@ def main():
             dst, ref, 0.02)
     t = AC.graph_ms(lambda: A.quantize_8bit_numba(q, k))
     rows.append(("int8", "  pre-pass alone", f"{t:.4f} ms", "", "", ""))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_attn_kernels.json"), "w") as f:
-            json.dump(AC.results, f, indent=1, default=str)
-    print(f"\n=== attention kernels at [{B},{H},{L},{D}] (device time, error vs fp32) ===")
-    w = [max(len(str(r[i])) for r in rows) for i in range(6)]
-    for r in rows:
-        print("  ".join(str(c).ljust(w[i]) for i, c in enumerate(r)))
+    AC.finish("gpu_attn_kernels.json", AC.results,
+              f"\n=== attention kernels at [{B},{H},{L},{D}] (device time, error vs fp32) ===", rows)
 
 
 if __name__ == "__main__":
