@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -101,6 +102,73 @@ class _Finder:
 
 
 sys.meta_path.insert(0, _Finder())
+'''
+
+PROFILE_NODE = r'''
+"""BENCH ONLY (gpu_server.py --profile): profiles the sampler call of a prompt when the control
+file says so -- cProfile of the host thread, or torch.profiler's GPU kernel time against wall
+time (how busy the GPU is: a step that is host-bound leaves it idle)."""
+import cProfile, io, json, os, pstats, time
+import torch
+import comfy.sample
+
+CTRL = os.environ["FLUX_BENCH_PROFILE"]
+_orig = comfy.sample.sample
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _mode():
+    try:
+        return open(os.path.join(CTRL, "mode")).read().strip()
+    except OSError:
+        return ""
+
+
+def sample(*a, **k):
+    mode = _mode()
+    if not mode:
+        return _orig(*a, **k)
+    kind, tag = mode.split(":", 1)
+    _sync()
+    t0 = time.perf_counter()
+    if kind == "cprofile":
+        pr = cProfile.Profile()
+        pr.enable()
+        try:
+            out = _orig(*a, **k)
+            _sync()
+        finally:
+            pr.disable()
+        wall = time.perf_counter() - t0
+        s = io.StringIO()
+        st = pstats.Stats(pr, stream=s)
+        s.write(f"wall {wall:.3f} s (under cProfile)\n")
+        st.sort_stats("tottime").print_stats(45)
+        st.sort_stats("cumulative").print_stats(60)
+        open(os.path.join(CTRL, f"cprofile_{tag}.txt"), "w").write(s.getvalue())
+        return out
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = _orig(*a, **k)
+        _sync()
+    wall = time.perf_counter() - t0
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in ev) / 1e6  # us -> s (kernels and copies; overlaps counted twice)
+    top = {}
+    for e in ev:
+        top[e.name] = top.get(e.name, 0.0) + e.device_time / 1e3
+    rec = {"wall_s": wall, "gpu_kernel_s": busy, "kernels": len(ev),
+           "top_ms": sorted(top.items(), key=lambda kv: -kv[1])[:25]}
+    json.dump(rec, open(os.path.join(CTRL, f"gpu_{tag}.json"), "w"), indent=1)
+    return out
+
+
+comfy.sample.sample = sample
+NODE_CLASS_MAPPINGS = {}
 '''
 
 KEYS = ("fallback", "running ComfyUI's original block", "CUDA graph", "captured a CUDA graph", "is off for this model",
@@ -255,6 +323,16 @@ def run_prompt(url, prompt, timeout):
     return out
 
 
+def split_flags(flags, env):
+    """A flag set's leading NAME=value tokens go into the server's environment (A/B runs of one
+    pack setting, e.g. "FLUX_NUMBA_BLOCK_STAGING=0"); the rest are main.py arguments."""
+    argv, env = shlex.split(flags), dict(env)
+    while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):
+        k, v = argv.pop(0).split("=", 1)
+        env[k] = v
+    return argv, env
+
+
 def serve(py, comfy, base, flags, env, start_timeout=600):
     port = _free_port()
     logp = os.path.join(base, f"comfyui_{port}.log")
@@ -263,9 +341,9 @@ def serve(py, comfy, base, flags, env, start_timeout=600):
     os.makedirs(fe, exist_ok=True)
     with open(os.path.join(fe, "index.html"), "w") as f:
         f.write("<html><body>bench</body></html>")
+    argv, env = split_flags(flags, env)
     cmd = [py, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", base,
-           "--database-url", "sqlite:///:memory:", "--disable-auto-launch", "--front-end-root", fe,
-           *shlex.split(flags)]
+           "--database-url", "sqlite:///:memory:", "--disable-auto-launch", "--front-end-root", fe, *argv]
     proc = subprocess.Popen(cmd, cwd=comfy, stdout=logf, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
@@ -309,6 +387,9 @@ def main():
     p.add_argument("--json", help="write all results here")
     p.add_argument("--logs", help="folder to copy each server's log into")
     p.add_argument("--prompt-timeout", type=float, default=300)
+    p.add_argument("--profile", help="folder: after the timed runs, one prompt per case (--profile-steps steps) "
+                   "under cProfile (host time by function) and one under torch.profiler (GPU kernel time vs wall)")
+    p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--cond-dims", default="4096,768", help="text context / pooled widths (a CPU smoke test with "
                    "run.py --write-model --comfy-min weights uses that model's)")
     a = p.parse_args()
@@ -338,6 +419,13 @@ def main():
             os.symlink(ROOT, os.path.join(cn, "comfyui-flux-numba-kernels"))
             with open(os.path.join(cn, "flux_numba_bench_cond.py"), "w") as f:
                 f.write(COND_NODE)
+            prof_dir = None
+            if a.profile:
+                prof_dir = os.path.join(os.path.abspath(a.profile),
+                                        f"{comfy_version(comfy)}_{re.sub(r'[^A-Za-z0-9=_.]', '', flags) or 'default'}")
+                os.makedirs(prof_dir, exist_ok=True)
+                with open(os.path.join(cn, "flux_numba_bench_profile.py"), "w") as f:
+                    f.write(PROFILE_NODE)
             for sub, src in (("diffusion_models", a.weights), ("vae", vae_path)):
                 os.makedirs(os.path.join(base, "models", sub))
                 os.symlink(src, os.path.join(base, "models", sub, os.path.basename(src)))
@@ -345,7 +433,8 @@ def main():
             results.append(rec)
             t0 = time.time()
             try:
-                proc, url, logp, logf = serve(a.python, comfy, base, flags, env)
+                senv = dict(env, FLUX_BENCH_PROFILE=prof_dir) if prof_dir else env
+                proc, url, logp, logf = serve(a.python, comfy, base, flags, senv)
             except Exception as e:
                 rec["start_error"] = str(e)[-2000:]
                 rows.append((ver, flags or "(default)", "-", "server did not start", "", "", ""))
@@ -370,6 +459,25 @@ def main():
                 r["peak_mib"] = mem.peak
                 runs.append(r)
                 print(f"[bench] {ver} {flags or '(default)'} {case} run {i + 1}: {r}", flush=True)
+            if prof_dir and proc.poll() is None:
+                for ci, case in enumerate(cases):
+                    for ki, kind in enumerate(("cprofile", "torch")):
+                        with open(os.path.join(prof_dir, "mode"), "w") as f:
+                            f.write(f"{kind}:{case}")
+                        try:
+                            # a new seed per prompt: ComfyUI would answer an identical prompt from its cache
+                            r = run_prompt(url, graph(case, a.profile_steps, a.res, 99 + 2 * ci + ki, os.path.basename(a.weights),
+                                                      os.path.basename(vae_path),
+                                                      tuple(int(v) for v in a.cond_dims.split(","))), a.prompt_timeout)
+                        except Exception as e:
+                            r = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                        print(f"[bench] profile {kind} {case}: {r}", flush=True)
+                        gj = os.path.join(prof_dir, f"gpu_{case}.json")
+                        if kind == "torch" and os.path.exists(gj):
+                            g = json.load(open(gj))
+                            rec.setdefault("profile", {})[case] = {k: g[k] for k in ("wall_s", "gpu_kernel_s", "kernels")}
+                with open(os.path.join(prof_dir, "mode"), "w") as f:
+                    f.write("")
             for case in cases:
                 runs = all_runs[case]
                 rec["cases"][case] = runs
@@ -393,7 +501,7 @@ def main():
             rec["log_tail"] = log[-3000:]
             if a.logs:
                 os.makedirs(a.logs, exist_ok=True)
-                tag = f"{ver}_{(flags or 'default').replace(' ', '').replace('-', '')}"
+                tag = f"{ver}_{re.sub(r'[^A-Za-z0-9=_.]', '', flags) or 'default'}"
                 with open(os.path.join(a.logs, f"server_{tag}.log"), "w") as f:
                     f.write(log[-400000:])
             if not alive:
@@ -407,6 +515,11 @@ def main():
     print(f"\n{'ComfyUI':8} {'flags':22} {'case':16} {'s/image':>8} {'first':>7} {'peakGB':>7}  note")
     for r in rows:
         print(f"{r[0]:8} {r[1]:22} {r[2]:16} {r[3]:>8} {r[4]:>7} {r[5]:>7}  {r[6]}")
+    for rec in results:
+        for case, pr in rec.get("profile", {}).items():
+            print(f"profile {rec['comfyui']} {rec['flags'] or '(default)'} {case}: wall {pr['wall_s']:.2f} s, "
+                  f"GPU kernels {pr['gpu_kernel_s']:.2f} s ({100 * pr['gpu_kernel_s'] / pr['wall_s']:.0f}% busy), "
+                  f"{pr['kernels']} kernels")
     for rec in results:
         if rec.get("median_warm_s"):
             print(f"median of runs 2..N, {rec['comfyui']} {rec['flags'] or '(default)'}: "

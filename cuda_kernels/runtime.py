@@ -84,7 +84,7 @@ def stream_scratch(cache: dict, key: tuple, make):
     CUDA graph is being captured (the graph keeps the buffers it was captured with); the cache is
     emptied once it holds more than 8 entries."""
     capturing = (not SIMULATOR) and torch.cuda.is_current_stream_capturing()
-    key = key + (0 if SIMULATOR else torch.cuda.current_stream().cuda_stream,)
+    key = key + (0 if SIMULATOR else _raw_stream(),)
     ent = None if capturing else cache.get(key)
     if ent is None:
         ent = make()
@@ -95,12 +95,21 @@ def stream_scratch(cache: dict, key: tuple, make):
     return ent
 
 
+def _raw_stream() -> int:
+    """Handle of torch's current CUDA stream on the current device, without building a
+    ``torch.cuda.Stream`` object per launch (the C getters, where this torch has them)."""
+    try:
+        return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+    except (AttributeError, TypeError):
+        return torch.cuda.current_stream().cuda_stream
+
+
 def stream():
     """numba stream object wrapping torch's current CUDA stream (None in the simulator)."""
     if SIMULATOR:
         return 0
     from numba import cuda
-    ptr = torch.cuda.current_stream().cuda_stream
+    ptr = _raw_stream()
     s = _streams.get(ptr)
     if s is None:
         s = _streams[ptr] = cuda.external_stream(ptr)

@@ -20,6 +20,13 @@ and is handled here (nowhere else in the pack):
     ``["attn1_output_patch"]`` and take ``modulation_dims`` (Kontext ``index_timestep_zero``)
     through the original block's closure; ``call_problem`` names them so that call runs stock.
 
+  * DynamicVRAM staging per block: ``staged_block`` stages every weight of a fused block at once
+    through ComfyUI's own block prefetch (``comfy.model_prefetch``: the queue other v0.33 models
+    use), so the block's ops then find their weights staged -- one offload-stream round trip per
+    block instead of one per op (each op's own cast syncs the compute stream with an offload stream
+    and back); stock FLUX at v0.33 does not use it.  Unstaged (and a no-op) where the module has no
+    DynamicVRAM weights or the host lacks the prefetch queue (v0.8.0).
+
 The VAE patch's GroupNorm weights come through ``op_weights`` the same way.
 
 Other versions: every block's type is checked (``block_problem``); anything not a FLUX.1 block
@@ -76,6 +83,42 @@ def op_weights(m, like):
             comfy.ops.uncast_bias_weight(m, w, b, state)
     else:
         yield m.weight, m.bias
+
+
+def _prefetch_module():
+    try:
+        import comfy.model_prefetch as mp
+    except Exception:
+        return None
+    if not (hasattr(mp, "make_prefetch_queue") and hasattr(mp, "prefetch_queue_pop")):
+        return None
+    return mp
+
+
+def dynamic_block(blk) -> bool:
+    """True when the block's weights are DynamicVRAM (comfy-aimdo vbar) weights."""
+    return any(hasattr(m, "_v") for m in blk.modules())
+
+
+@contextlib.contextmanager
+def staged_block(blk, device, dynamic: bool):
+    """Stage every DynamicVRAM weight of ``blk`` for the duration of the block, the way ComfyUI's own
+    block prefetch does (``make_prefetch_queue`` / ``prefetch_queue_pop``: fault all of the block's
+    vbar weights, one offload-stream sync; on exit the offload stream waits for the block's work and
+    the weights are unpinned).  The block's ops (and our casts through ``ComfyWeights``) then take
+    the staged weights without a per-op stream round trip.  ``dynamic``: ``dynamic_block(blk)``,
+    cached by the caller.  No-op when not dynamic, or the host has no prefetch queue, or ComfyUI
+    declines to make one (no offload streams, CPU device)."""
+    mp = _prefetch_module() if dynamic else None
+    q = mp.make_prefetch_queue([blk], device, {"prefetch_dynamic_vbars": True}) if mp is not None else None
+    if q is None:
+        yield False
+        return
+    mp.prefetch_queue_pop(q, device, None)  # stages blk (queue[0] after the leading None)
+    try:
+        yield True
+    finally:
+        mp.prefetch_queue_pop(q, device, None)  # offload stream waits on the block's work; unpin
 
 
 class ComfyWeights(Weights):
@@ -211,6 +254,37 @@ def resolve_block(kind, index, extra, model_ref):
 
 
 PATCHES_IN_BLOCKS = ("attn1_patch", "attn1_output_patch")  # applied inside v0.33's FLUX blocks
+ATTENTION_OVERRIDE = "optimized_attention_override"  # transformer_options key ComfyUI's attention obeys
+
+
+def attention_override(topts):
+    """The attention override another node installed (``transformer_options
+    ["optimized_attention_override"]``, obeyed by ComfyUI's ``wrap_attn``), or None."""
+    return (topts or {}).get(ATTENTION_OVERRIDE)
+
+
+def flux_attention():
+    """The attention function stock FLUX calls (``comfy.ldm.flux.math``'s binding, else ComfyUI's
+    ``optimized_attention``)."""
+    try:
+        import comfy.ldm.flux.math as fm
+        return fm.optimized_attention
+    except Exception:
+        from comfy.ldm.modules.attention import optimized_attention
+        return optimized_attention
+
+
+def default_sdpa_attention() -> bool:
+    """True when FLUX's attention is ComfyUI's plain PyTorch SDPA path (``attention_pytorch``: no
+    --use-sage / --use-flash / xformers / split / sub-quadratic choice by the user).  That path only
+    adds a backend order around ``F.scaled_dot_product_attention`` (v0.8.0: cuDNN first; v0.33:
+    FLASH first -- on an H200 pytorch's flash kernel takes ~0.85 ms where cuDNN takes ~0.45 ms at
+    FLUX's 4608 tokens), so the pack may run SDPA with the backend it measured fastest instead."""
+    try:
+        from comfy.ldm.modules import attention as ca
+        return flux_attention() is getattr(ca, "attention_pytorch", None)
+    except Exception:
+        return False
 
 
 def call_problem(args, extra) -> Optional[str]:

@@ -12,6 +12,11 @@ Per block call ``fn(args, extra)``:
     weight functions), which host features the fused path cannot run -- comes from ``host.py``;
   * the op policy (backend / attention / route_norms) is applied with ``registry.force(...)`` only
     while this model's block runs, so two differently patched models in one graph don't interfere;
+  * attention "auto": the registry measures the pack's kernels against SDPA once per input
+    signature; where SDPA wins and ComfyUI's attention is its plain SDPA path, SDPA runs with
+    torch's own backend order (the one measured: cuDNN on Hopper, where v0.33's order puts FLASH
+    first), else ComfyUI's attention (a user's sage / flash-attn / xformers choice) is called.  An
+    ``optimized_attention_override`` from another node always goes through ComfyUI's attention;
   * a block or call the fused path does not cover (a non-FLUX.1 block, unexpected shapes/dtypes,
     ``attn1_patch`` / ``attn1_output_patch``, Kontext ``modulation_dims``) runs ComfyUI's original
     block, logged once per reason;
@@ -35,7 +40,8 @@ from typing import Optional
 
 import torch
 
-from .host import ComfyWeights, block_problem, call_problem, resolve_block
+from .host import (ComfyWeights, attention_override, block_problem, call_problem, default_sdpa_attention, dynamic_block,
+                   flux_attention, resolve_block, staged_block)
 
 log = logging.getLogger("flux_numba")
 
@@ -140,9 +146,12 @@ class _Runner:
         self.model_ref = model_ref
         self.fused = options["profile"] == "exact"
         self.policy, self.attn_route = self._policy(options, registry)
-        self.block_ok = {}  # id(block) -> (weakref(block), reason or None)
+        self.block_ok = {}  # id(block) -> (weakref(block), reason or None, DynamicVRAM weights?)
+        # DynamicVRAM: stage each block's weights at once (host.staged_block); "0" only for A/B runs
+        self.stage_blocks = os.environ.get("FLUX_NUMBA_BLOCK_STAGING", "1") != "0"
         self.proven = set()  # input signatures that ran through our path once
         self.attn_choice = {}  # attention "auto": input signature -> backend the registry chose
+        self._sdpa_direct = None  # see sdpa_direct()
         self.logged = set()
         self.off = {}  # forward signature -> why the fused path is off for it (turn_off)
         self.silu_cache = {}  # shared by every block call: SiLU(vec) once per step (BlockContext.silu)
@@ -176,6 +185,20 @@ class _Runner:
             route = "auto"
         return pol, route
 
+    def sdpa_direct(self) -> bool:
+        """attention "auto" and the registry measured its SDPA reference fastest: run that SDPA itself
+        (torch's own backend order, the one measured) when ComfyUI's attention is its plain SDPA path
+        (``host.default_sdpa_attention``); a user's own attention choice (sage, flash-attn, xformers,
+        ...) is always called as ComfyUI's."""
+        d = self._sdpa_direct
+        if d is None:
+            d = self._sdpa_direct = default_sdpa_attention()
+            self.note(("sdpa direct",), logging.INFO, "attention auto: %s", "where SDPA is fastest it runs with "
+                      "torch's own backend order (ComfyUI's attention is its plain SDPA path)" if d else
+                      "ComfyUI's attention is a user choice (not plain SDPA): called as ComfyUI's where the "
+                      "pack's kernels are not faster")
+        return d
+
     def note(self, key, level, msg, *a):
         if key not in self.logged:
             self.logged.add(key)
@@ -188,16 +211,17 @@ class _Runner:
         registry = self.registry
 
         def comfy_attention(q, k, v, mask):
-            try:  # exactly what stock FLUX calls (flux/math.py's binding), looked up per call
-                import comfy.ldm.flux.math as fm
-                oa = fm.optimized_attention
-            except Exception:
-                from comfy.ldm.modules.attention import optimized_attention as oa
+            oa = flux_attention()  # exactly what stock FLUX calls, looked up per call
             registry.usage[(ATTENTION_OP, "comfy")] += 1
             registry.last[ATTENTION_OP] = "comfy"
             return oa(q, k, v, q.shape[1], skip_reshape=True, mask=mask, transformer_options=topts)
 
-        if route == "comfy" or choice == REFERENCE_NAME:
+        if attention_override(topts) is not None:
+            self.note(("attention override",), logging.INFO, "another node set transformer_options['%s']: "
+                      "attention runs through ComfyUI's optimized_attention, which applies it (logged once)",
+                      "optimized_attention_override")
+            return comfy_attention
+        if route == "comfy" or (choice == REFERENCE_NAME and not self.sdpa_direct()):
             return comfy_attention
         if route == "registry" or choice is not None:
             return None  # BlockContext calls the registry's "attention" op under the policy
@@ -206,7 +230,7 @@ class _Runner:
             """First call of an input signature: let the registry choose, remember the choice."""
             b = registry.choose(ATTENTION_OP, q, k, v, mask)
             self.attn_choice[sig] = b.name
-            if b.name == REFERENCE_NAME:
+            if b.name == REFERENCE_NAME and not self.sdpa_direct():
                 return comfy_attention(q, k, v, mask)
             registry.usage[(ATTENTION_OP, b.name)] += 1
             registry.last[ATTENTION_OP] = b.name
@@ -250,7 +274,7 @@ class _Runner:
             return self.fallback(kind, index, "block module not found", args, extra)
         hit = self.block_ok.get(id(blk))
         if hit is None or hit[0]() is not blk:
-            hit = self.block_ok[id(blk)] = (weakref.ref(blk), block_problem(kind, blk))
+            hit = self.block_ok[id(blk)] = (weakref.ref(blk), block_problem(kind, blk), dynamic_block(blk))
         bad = hit[1] or call_problem(args, extra)
         if bad is None:
             bad = _input_problem(kind, blk, args)
@@ -268,13 +292,19 @@ class _Runner:
                                        host=weights, quant8=self.policy.get(ATTENTION_OP) == "numba-8bit")
         policy = self.policy
         choice = self.attn_choice.get(sig)
-        if self.attn_route == "auto" and choice not in (None, REFERENCE_NAME):
+        if self.attn_route == "auto" and choice is not None and (choice != REFERENCE_NAME or self.sdpa_direct()):
             policy = dict(policy, **{ATTENTION_OP: choice})  # the registry op writes straight into `out`
         backup = None
         if sig not in self.proven:  # the first call of a signature only: undo an in-place update on failure
             backup = (img.clone(), None if txt is None else txt.clone())
         versions = (self.version(img), None if txt is None else self.version(txt))
         self.stats["calls"] += 1
+        with staged_block(blk, img.device, hit[2] and self.stage_blocks):
+            return self._run(kind, index, blk, img, txt, vec, pe, mask, ctx, policy, sig, fsig, backup, versions,
+                             weights, args, extra)
+
+    def _run(self, kind, index, blk, img, txt, vec, pe, mask, ctx, policy, sig, fsig, backup, versions, weights,
+             args, extra):
         try:
             with self.registry.force(**policy):
                 if kind == "double":

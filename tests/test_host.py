@@ -338,3 +338,121 @@ def test_op_weights_for_the_vae_groupnorm(comfy, monkeypatch):
     with op_weights(gn, x) as (w, b):
         assert torch.equal(w, gn.weight * 3.0) and torch.equal(b, gn.bias)
     assert uncast == [gn]
+
+
+# ----------------------------------------------------------------------------- DynamicVRAM staging
+def _fake_prefetch(monkeypatch):
+    """Record ComfyUI's block-prefetch calls (the real ones need comfy-aimdo vbars on a GPU)."""
+    import comfy.model_prefetch as mpf
+    log_ = []
+
+    def make(blocks, device, topts):
+        log_.append(("make", tuple(blocks), topts.get("prefetch_dynamic_vbars")))
+        return [None] + list(blocks) + [None]
+
+    def pop(queue, device, module, **k):
+        log_.append(("pop", queue[1] if len(queue) > 1 else None))
+        queue.pop(0)
+    monkeypatch.setattr(mpf, "make_prefetch_queue", make)
+    monkeypatch.setattr(mpf, "prefetch_queue_pop", pop)
+    return log_
+
+
+def test_staged_block_uses_comfy_block_prefetch(comfy, monkeypatch):
+    """DynamicVRAM: a block's weights are staged at once through ComfyUI's own prefetch queue and
+    released on exit, also when the block raises; nothing happens for non-dynamic blocks or hosts
+    without the prefetch queue (v0.8.0)."""
+    from flux_numba_pack.nodes.host import dynamic_block, staged_block
+    mp = tiny_patcher(comfy)
+    blk = mp.model.diffusion_model.double_blocks[0]
+    assert not dynamic_block(blk)
+    try:
+        import comfy.model_prefetch  # noqa: F401
+    except ImportError:  # v0.8.0: no prefetch queue, staging is a no-op
+        with staged_block(blk, torch.device("cpu"), True) as on:
+            assert on is False
+        return
+    calls = _fake_prefetch(monkeypatch)
+    with staged_block(blk, torch.device("cpu"), False) as on:
+        assert on is False
+    assert calls == []
+    with staged_block(blk, torch.device("cpu"), True) as on:
+        assert on is True and calls == [("make", (blk,), True), ("pop", blk)]
+    assert calls[-1] == ("pop", None) and len(calls) == 3
+    with pytest.raises(RuntimeError):
+        with staged_block(blk, torch.device("cpu"), True):
+            raise RuntimeError("inside the block")
+    assert len(calls) == 6 and calls[-1] == ("pop", None)
+
+
+def test_patched_dynamic_blocks_are_staged_per_call(comfy, monkeypatch):
+    """With DynamicVRAM weights every fused block call is staged once (and the result equals stock)."""
+    try:
+        import comfy.model_prefetch  # noqa: F401
+    except ImportError:
+        pytest.skip(f"ComfyUI {version()} has no block prefetch queue (staging is v0.33+)")
+    import flux_numba_pack.nodes.patch as patch_mod
+    mp = tiny_patcher(comfy)
+    inp = _inputs(torch.float32)
+    ref = forward(mp, inp)
+    calls = _fake_prefetch(monkeypatch)
+    monkeypatch.setattr(patch_mod, "dynamic_block", lambda blk: True)
+    pm, = Patch().patch(mp, backend="torch")
+    got = forward(pm, inp)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), rel_err(got, ref)
+    st = patch_stats(pm)
+    assert st["fallbacks"] == 0 and st["calls"] == N_BLOCKS
+    assert sum(1 for c in calls if c[0] == "make") == N_BLOCKS
+    assert sum(1 for c in calls if c[0] == "pop") == 2 * N_BLOCKS
+
+
+# ----------------------------------------------------------------------------- attention route
+def _runner(attention="auto", backend="auto"):
+    from flux_numba_pack.nodes import patch as patch_mod
+    opts = {"profile": "exact", "route_norms": True, "attention": attention, "backend": backend, "cuda_graph": "off"}
+    return patch_mod._Runner(opts, None, 10_000)
+
+
+def test_attention_auto_runs_measured_sdpa_only_for_comfys_plain_sdpa(comfy, monkeypatch):
+    """attention auto, SDPA measured fastest: with ComfyUI's plain SDPA path the registry's SDPA runs
+    (torch's backend order, what was measured); with a user's own attention choice ComfyUI's is called."""
+    import comfy.ldm.flux.math as fm
+    from comfy.ldm.modules import attention as ca
+    from flux_numba_pack.nodes.host import default_sdpa_attention
+    sig = ("double", (1, 4, 8))
+    monkeypatch.setattr(fm, "optimized_attention", ca.attention_pytorch)
+    assert default_sdpa_attention()
+    r = _runner()
+    r.attn_choice[sig] = "torch"
+    assert r._attention({}, sig) is None  # BlockContext calls the registry op (policy: torch)
+    monkeypatch.setattr(fm, "optimized_attention", ca.attention_basic)  # e.g. a user's --use-split / other choice
+    assert not default_sdpa_attention()
+    r = _runner()
+    r.attn_choice[sig] = "torch"
+    f = r._attention({}, sig)
+    assert f is not None
+    q = torch.randn(1, 2, 4, 8)
+    assert torch.allclose(f(q, q, q, None), torch.nn.functional.scaled_dot_product_attention(q, q, q)
+                          .transpose(1, 2).reshape(1, 4, 16), atol=1e-5)
+
+
+def test_attention_override_goes_through_comfy(comfy, caplog):
+    """Another node's transformer_options['optimized_attention_override'] is applied (ComfyUI's
+    attention is called, which obeys it), even where the pack's kernel would run, with one log line."""
+    seen = []
+
+    def override(func, q, k, v, heads, **kw):
+        seen.append(heads)
+        return func(q, k, v, heads, **kw)
+    topts = {"optimized_attention_override": override}
+    q = torch.randn(1, 2, 4, 8)
+    for attention in ("auto", "numba-bf16"):
+        r = _runner(attention=attention)
+        with caplog.at_level(logging.INFO, logger="flux_numba"):
+            f = r._attention(topts, ("single", (1, 4, 8)))
+        assert f is not None
+        out = f(q, q, q, None)
+        assert out.shape == (1, 4, 16)
+    if "optimized_attention_override" in open(__import__("comfy.ldm.modules.attention", fromlist=["x"]).__file__).read():
+        assert seen == [2, 2]  # the host's wrapper applied the override (v0.33)
+    assert "optimized_attention_override" in caplog.text
