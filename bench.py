@@ -10,8 +10,9 @@ Variants (all on one set of weights; ComfyUI's own ``Flux`` module when a ComfyU
 importable -- COMFYUI_PATH or .carry/ComfyUI -- else the pack's standalone model):
   stock         ComfyUI's forward, untouched (absent without ComfyUI)
   pack-torch    the pack's block functions, stock op order, every op forced to torch
-  exact         fused op order, ops on 'auto' (Numba where it is measured faster), attention SDPA
-  exact+attn    as exact, attention on 'auto' too (bf16 Numba flash attention if it wins)
+  exact         fused op order, ops on 'auto' (Numba where it is measured faster), attention 'auto' as
+                the node runs it: SDPA in torch's backend order or cuDNN-first, measured per shape
+  exact-sdpa    as exact, attention SDPA in torch's order (FLASH first; the exact profile before 12-01)
   bf16-attn     as exact, bf16 Numba flash attention forced (wgmma kernel on Hopper)
   fast          as exact, 8-bit Numba attention
   ...+graph     the same forward captured once as a CUDA graph and replayed (no launch gaps)
@@ -59,7 +60,7 @@ def parse():
     p.add_argument("--model", help="FLUX.1 .safetensors (default: random weights of --config)")
     p.add_argument("--config", default="flux1-dev", choices=["flux1-dev", "tiny"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--variants", default="stock,pack-torch,exact,exact+graph,exact+attn,fast,fast+graph")
+    p.add_argument("--variants", default="stock,pack-torch,exact,exact+graph,exact-sdpa,fast,fast+graph")
     p.add_argument("--warmup", type=_int_at_least(0), default=2)
     p.add_argument("--reps", type=_int_at_least(1), default=5)
     p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference (saves memory/time)")
@@ -179,8 +180,8 @@ def main():
             eager = forward_fn(variant[: -len("+graph")])
             gf = GraphedForward(lambda xin, tin: eager(xin, tin), module=model)
             return lambda xin=None, tin=None: gf(x if xin is None else xin, t if tin is None else tin)
-        policy = {"stock": None, "pack-torch": {"*": "torch"}, "exact": {"*": "auto", "attention": "torch"},
-                  "exact+attn": {"*": "auto", "attention": "auto"}, "fast": {"*": "auto", "attention": "numba-8bit"},
+        policy = {"stock": None, "pack-torch": {"*": "torch"}, "exact": {"*": "auto", "attention": "auto"},
+                  "exact-sdpa": {"*": "auto", "attention": "torch"}, "fast": {"*": "auto", "attention": "numba-8bit"},
                   "bf16-attn": {"*": "auto", "attention": "numba"}}[variant]
         fused = variant not in ("stock", "pack-torch")
         bctx = BlockContext(fused=fused, gemm_epilogue=fused,

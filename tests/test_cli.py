@@ -206,6 +206,6 @@ def test_benchmark_default_variants_on_cpu(tmp_path):
     for v in ("exact+graph", "fast+graph"):
         assert "not a CUDA device" in res[v]["skipped"] and f"skipping variant {v}" in p.stdout
     assert "ComfyUI" in res["stock"]["skipped"]
-    for v in ("pack-torch", "exact", "exact+attn", "fast"):
+    for v in ("pack-torch", "exact", "exact-sdpa", "fast"):
         assert res[v]["ms"] > 0 and "error" not in res[v], res[v]
     assert doc["info"]["speed_measurement"] is False and "not a speed measurement" in p.stdout

@@ -423,15 +423,18 @@ def test_attention_auto_runs_measured_sdpa_only_for_comfys_plain_sdpa(comfy, mon
     monkeypatch.setattr(fm, "optimized_attention", ca.attention_pytorch)
     assert default_sdpa_attention()
     r = _runner()
-    r.attn_choice[sig] = "torch"
-    assert r._attention({}, sig) is None  # BlockContext calls the registry op (policy: torch)
+    r.attn_choice[sig] = "cudnn"
+    assert r._attention({}, sig) is None  # BlockContext calls the registry op (policy: the measured backend)
+    q = torch.randn(1, 2, 4, 8)
+    first = _runner()._attention({}, sig)  # first call of a signature: the registry chooses (CPU: the reference)
+    assert torch.allclose(first(q, q, q, None), torch.nn.functional.scaled_dot_product_attention(q, q, q)
+                          .transpose(1, 2).reshape(1, 4, 16), atol=1e-5)
     monkeypatch.setattr(fm, "optimized_attention", ca.attention_basic)  # e.g. a user's --use-split / other choice
     assert not default_sdpa_attention()
     r = _runner()
-    r.attn_choice[sig] = "torch"
+    r.attn_choice[sig] = "cudnn"
     f = r._attention({}, sig)
     assert f is not None
-    q = torch.randn(1, 2, 4, 8)
     assert torch.allclose(f(q, q, q, None), torch.nn.functional.scaled_dot_product_attention(q, q, q)
                           .transpose(1, 2).reshape(1, 4, 16), atol=1e-5)
 
