@@ -484,6 +484,7 @@ def main():
             traceback.print_exc()
             note("gemm " + shp[0], ok=False, error=f"{type(e).__name__}: {e}")
             gemm_rows.append((shp[0], "ERROR", type(e).__name__, str(e)[:60]))
+    note("ln fp8 pipelined grid", blocks_per_sm_and_occupancy_api={str(k): v for k, v in LM._occupancy.items()})
     step = {}
     try:
         step = per_step()

@@ -9,8 +9,9 @@ producer is not a row kernel of ln_modulate.  One kernel, three ops:
                                 C + M with one row scale: the single blocks' linear2 input, read
                                 straight from the attention output and the mlp columns of
                                 linear1's output (both may be row-strided views of one buffer).
-q is [B*L, K] contiguous (K = C + M), scale [B*L, 1] fp32; inputs bf16 with unit stride on the
-last dim and any row / batch strides (the contract of the bf16 kernels).  K, C, M multiples of 16.
+q is [B*L, K] contiguous (K = C + M), scale [B*L, 1] fp32; inputs bf16 [B, L, *] (or [rows, *])
+with unit stride on the last dim and any row / batch strides (the contract of the bf16 kernels).
+K, C, M multiples of 16.
 
 Numba backend ("numba", bf16 only): one thread block per row (grid (1, L, B), while loops), the
 row split into slots of E = VEC * VW elements (E 8: one 16-byte load when every row of both
@@ -178,10 +179,11 @@ def _check_parts(*ts):
     why = ik.common_check(*ts)
     if why:
         return why
+    ts = [_3d(t) for t in ts]
     x = ts[0]
     for t in ts:
         if t.ndim != 3:
-            return f"inputs must be [B, L, K], got {tuple(t.shape)}"
+            return f"inputs must be [B, L, K] or [rows, K], got {tuple(t.shape)}"
         if t.shape[:2] != x.shape[:2]:
             return f"shapes {tuple(t.shape)} and {tuple(x.shape)} differ in [B, L]"
         if t.shape[-1] % f8.K_ALIGN:
@@ -192,8 +194,13 @@ def _check_parts(*ts):
     return f8.check(K, x)
 
 
+def _3d(t):
+    return t[None] if t.ndim == 2 else t
+
+
 def _launch(a, m, na_el, nm_el):
-    """a / m bf16 [B, L, *] (m may be a when nm_el == 0 and vice versa)."""
+    """a / m bf16 [B, L, *] or [rows, *] (m may be a when nm_el == 0 and vice versa)."""
+    a, m = _3d(a), _3d(m)
     B, L = a.shape[:2]
     K = na_el + nm_el
     VEC, VW, (aw, mw) = _views(a, m)

@@ -330,7 +330,8 @@ def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps, qsc=None):
             dev = xw.device.index if xw.device.index is not None else torch.cuda.current_device()
             per_sm = PIPE_BLOCKS[GATED]
             if FP8:  # more registers than the bf16 kernel (ptxas 13.0, sm_90: 96 vs 76): what fits
-                per_sm = _resident(key, la, nt, per_sm, (xw, yw, gw, shw, scw, ow, qsc, np.float32(eps)))
+                per_sm = _resident(key, la, nt, per_sm, (xw, yw, gw, shw, scw, ow, qsc, np.float32(eps)),
+                                   fallback=min(per_sm, 7))  # 7 x 96 threads x 96 registers fit
             ny = min(L, max(1, _sms(dev) * per_sm // B))
         la(ik.grid3(1, ny, B), nt, xw, yw, gw, shw, scw, ow, qsc, np.float32(eps))
         return
@@ -341,14 +342,15 @@ _launchers = {}
 _occupancy = {}
 
 
-def _resident(key, la, nt, cap, args):
-    """min(cap, blocks of nt threads per SM the launcher's kernel keeps resident), cached."""
+def _resident(key, la, nt, cap, args, fallback):
+    """min(cap, blocks of nt threads per SM the launcher's kernel keeps resident), cached with the
+    occupancy API's answer (``fallback`` when it gives none)."""
     k = (key, nt, cap)
-    n = _occupancy.get(k)
-    if n is None:
+    hit = _occupancy.get(k)
+    if hit is None:
         occ = la.occupancy(nt, *args)
-        n = _occupancy[k] = cap if not occ else max(1, min(cap, occ))
-    return n
+        hit = _occupancy[k] = (fallback if not occ else max(1, min(cap, occ)), occ)
+    return hit[0]
 
 
 def _launcher(VEC, GATED, VW=1, FP8=0):

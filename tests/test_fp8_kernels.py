@@ -285,6 +285,16 @@ def test_attn_gelu_fp8_single_block_layout(B, L, C, M, align):
     assert torch.equal(qa, qra)
 
 
+def test_rows_ops_take_2d_inputs():
+    torch.manual_seed(5)
+    x = rnd(7, 48)
+    with numba():
+        got = registry.call("quantize_fp8", x)
+        assert_fp8(got, FR.reference_quantize(x), x.float(), max_frac=0)
+        got = registry.call("attn_gelu_fp8", x[:, :16], x[:, 16:])
+    assert_fp8(got, FR.reference_cat(x[:, :16], x[:, 16:]))
+
+
 def test_attn_gelu_fp8_separate_buffers():
     torch.manual_seed(11)
     a, m = rnd(2, 3, 48), rnd(2, 3, 80, scale=3.0)
@@ -299,7 +309,7 @@ def test_checks_decline_with_reason():
     assert "multiple of 16" in why
     assert "multiple of 16" in LM.check_fp8(x, rnd(1, 1, 40), rnd(1, 1, 40))
     assert "bf16" in registry.ops["gelu_tanh_fp8"].backends["numba"].check(rnd(1, 3, 32).float())
-    assert "[B, L" in registry.ops["quantize_fp8"].backends["numba"].check(rnd(3, 32))
+    assert "[B, L" in registry.ops["quantize_fp8"].backends["numba"].check(rnd(1, 3, 2, 32))
     assert "differ" in registry.ops["attn_gelu_fp8"].backends["numba"].check(rnd(1, 3, 32), rnd(1, 4, 32))
     assert "row width" in registry.ops["gelu_tanh_fp8"].backends["numba"].check(rnd(1, 1, FR.MAX_K + 16))
     # declined -> the reference runs (not strict), with the same format
