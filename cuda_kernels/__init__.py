@@ -8,5 +8,6 @@ from . import runtime  # noqa: F401
 from . import ln_modulate, gated_residual, qk_norm_rope, gelu_tanh, attention  # noqa: F401
 from . import groupnorm_silu  # noqa: F401
 from . import linear_gelu  # noqa: F401
+from . import fp8_rows  # noqa: F401  (fp8_format: the fast profile's fp8 GEMM inputs)
 
 ops = registry

@@ -15,9 +15,11 @@ read as one int64), ``unpack_w(w, a, base, vec)`` (word -> local array).  Refere
 (also the simulator's building blocks): ``word_get``, ``f2bf`` (RNE from the float bits,
 ``(u + 0x7FFF + ((u >> 16) & 1)) >> 16``, NaN kept quiet), ``wrap_i64`` / ``wrap_i16``.
 
-Reductions (float32): ``block_sum(v, smem)`` over the whole block (blockDim a multiple of 32 on
-the GPU), ``group_sum(v, g, smem)`` / ``group_max(v, g, smem)`` over aligned groups of g lanes
-(g a power of two <= 32).
+Reductions (float32): ``block_sum(v, smem)`` / ``block_max(v, smem)`` over the whole block
+(blockDim a multiple of 32 on the GPU), ``group_sum(v, g, smem)`` / ``group_max(v, g, smem)`` over
+aligned groups of g lanes (g a power of two <= 32).  ``fdiv_rn(a, b)``: IEEE round-to-nearest fp32
+division even under fastmath (libdevice ``__fdiv_rn``; the fp8 scales must be bit-reproducible by
+a torch reference).  ``wrap_i32``: like ``wrap_i64`` for 32-bit words.
 ``smem`` is a ``cuda.shared.array(RED_SMEM, float32)`` the kernel allocates; every thread of
 the block must call the reduction (uniform control flow).
 
@@ -103,9 +105,9 @@ def jit_kernel(fn=None, **kw):
 
 if not NUMBA_OK:  # pragma: no cover - names exist so op modules import; checks decline
     float32 = int32 = int64 = int16 = None
-    bf2f = word_get = f2bf = wrap_i64 = wrap_i16 = lo_f32 = hi_f32 = None
+    bf2f = word_get = f2bf = wrap_i64 = wrap_i32 = wrap_i16 = lo_f32 = hi_f32 = None
     unpack4 = pack4 = pack1 = round_bf16 = unpack_f32x2 = unpack_w = None
-    rsqrt = tanh = gelu_tanh = gelu_fast = block_sum = group_sum = group_max = None
+    rsqrt = tanh = gelu_tanh = gelu_fast = block_sum = block_max = group_sum = group_max = fdiv_rn = None
     ld2 = st2 = None
 
 elif SIMULATOR:
@@ -132,9 +134,16 @@ elif SIMULATOR:
         w = int(w) & 0xFFFFFFFFFFFFFFFF
         return w - (1 << 64) if w >= (1 << 63) else w
 
+    def wrap_i32(w):
+        w = int(w) & 0xFFFFFFFF
+        return w - (1 << 32) if w >= (1 << 31) else w
+
     def wrap_i16(w):
         w = int(w) & 0xFFFF
         return w - (1 << 16) if w >= (1 << 15) else w
+
+    def fdiv_rn(a, b):
+        return _F32(_F32(a) / _F32(b))
 
     def lo_f32(w):
         """float32 in the low 32 bits of an int64 word (fp32 pairs read as int64)."""
@@ -196,6 +205,18 @@ elif SIMULATOR:
         s = _F32(0)
         for i in range(nt):
             s += smem[i]
+        cuda.syncthreads()
+        return s
+
+    @cuda.jit(device=True)
+    def block_max(v, smem):
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        smem[tid] = v
+        cuda.syncthreads()
+        s = smem[0]
+        for i in range(1, nt):
+            s = max(s, smem[i])
         cuda.syncthreads()
         return s
 
@@ -429,8 +450,16 @@ else:
         return int64(w)
 
     @cuda.jit(**_dev)
+    def wrap_i32(w):
+        return int32(w)
+
+    @cuda.jit(**_dev)
     def wrap_i16(w):
         return int16(w)
+
+    @cuda.jit(**_dev)
+    def fdiv_rn(a, b):
+        return libdevice.fdiv_rn(float32(a), float32(b))
 
     @cuda.jit(**_dev)
     def lo_f32(w):
@@ -474,6 +503,27 @@ else:
         s = float32(0)
         for i in range((cuda.blockDim.x + 31) >> 5):
             s += smem[i]
+        cuda.syncthreads()
+        return s
+
+    @cuda.jit(**_dev)
+    def warp_max(v):
+        off = 16
+        while off > 0:
+            v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, off))
+            off >>= 1
+        return v
+
+    @cuda.jit(**_dev)
+    def block_max(v, smem):
+        tid = cuda.threadIdx.x
+        v = warp_max(v)
+        if (tid & 31) == 0:
+            smem[tid >> 5] = v
+        cuda.syncthreads()
+        s = smem[0]
+        for i in range(1, (cuda.blockDim.x + 31) >> 5):
+            s = max(s, smem[i])
         cuda.syncthreads()
         return s
 
@@ -590,6 +640,27 @@ class Launcher:
             cfg = self._cfg[key] = k[grid, block, st]
         cfg(*[_arg(a) for a in args])
 
+    def occupancy(self, nt, *args):
+        """Blocks of ``nt`` threads per SM that the kernel compiled for these launch arguments
+        keeps resident (CUDA occupancy API: registers, shared memory, launch bounds), or None in
+        the simulator or when numba cannot say.  For grids sized to fill the GPU exactly once."""
+        if SIMULATOR or not NUMBA_OK:
+            return None
+        try:
+            from numba import types as nt_
+            dts = {torch.int16: nt_.int16, torch.bfloat16: nt_.int16, torch.float16: nt_.int16,
+                   torch.int64: nt_.int64, torch.int32: nt_.int32, torch.uint8: nt_.uint8,
+                   torch.float32: nt_.float32}
+            sig = tuple(nt_.Array(dts[a.dtype], a.dim(), "A") if isinstance(a, torch.Tensor)
+                        else nt_.int64 if type(a) is int else nt_.float32 for a in args)
+            if self.kernel is None:
+                self.kernel = self.factory()
+            fn = self.kernel.compile(sig)._codelibrary.get_cufunc()
+            n = cuda.current_context().get_active_blocks_per_multiprocessor(fn, nt, 0)
+            return int(n[-1] if isinstance(n, tuple) else n)
+        except Exception:  # pragma: no cover - GPU only
+            return None
+
     def _compile_fast(self, args):
         global _FAST_OK
         try:
@@ -676,12 +747,12 @@ if NUMBA_OK and not SIMULATOR and os.environ.get("FLUX_NUMBA_FAST_LAUNCH", "1") 
     try:
         from ctypes import c_float as _c_float
 
-        from numba import int16 as _i16, int64 as _i64, float32 as _f32
+        from numba import int16 as _i16, int32 as _i32, int64 as _i64, float32 as _f32, uint8 as _u8
         from numba.cuda.dispatcher import launch as _cuda_launch, LaunchConfig as _LaunchConfig
         from numba.cuda._compat import CUDA_CORE_GE_1_0 as _GE10
 
         _NB_DTYPES = {torch.int16: _i16, torch.bfloat16: _i16, torch.float16: _i16,
-                      torch.int64: _i64, torch.float32: _f32}
+                      torch.int64: _i64, torch.float32: _f32, torch.int32: _i32, torch.uint8: _u8}
 
         def _launch_config(grid, block):
             if _GE10:

@@ -28,6 +28,16 @@ Bytes per call at FLUX 1024^2 (C = 3072, B = 1): read x + write y = 4*L*C bytes
   txt  L=512 :  6.3 MB ->  1.7 us
   single L=4608: 56.6 MB -> 15.3 us
 (stock: layer_norm + 1+scale + addcmul moves ~2x that.)
+
+``ln_modulate_fp8`` (fast profile, issue #13): the same row kernel with FP8=1 returns the
+``fp8_format`` rows of the fp32 modulate output -- (q [B*L, C] float8_e4m3fn, scale [B*L, 1]
+fp32), the input of qkv / mlp-up / linear1 as ``torch._scaled_mm`` takes it.  The modulate pass
+only takes max |y| (one more block reduction, block_max), a last pass recomputes the same fp32 y
+from the packed x words (shift/scale read again: L1/L2 hits) and writes y * 448/amax as e4m3,
+one 8-byte word per 16-byte input pair.  ptxas 13.0 sm_90: 93 registers one-row / 96 pipelined
+(bf16: 59 / 76), so the pipelined grid takes the blocks per SM from the occupancy API instead of
+assuming 8.  Bytes: read x + write q = 3*L*C (+ 4 B/row): img 37.8 MB -> 10.2 us floor,
+txt 4.7 MB -> 1.3 us, single 42.5 MB -> 11.5 us.  Not yet timed on a GPU (bench/gpu_fp8.py).
 """
 import functools
 import os
@@ -40,6 +50,9 @@ from . import intrinsics as ik
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key then only hashes the factory's int constants
 from .intrinsics import cuda, float32, int64, unpack_w, pack4, pack1, round_bf16, block_sum, rsqrt, ld2, st2  # noqa: F401
+from .intrinsics import block_max, fdiv_rn  # noqa: F401
+from . import fp8_format as f8
+from .fp8_format import e4m3_1, e4m3x4, e4m3x8  # noqa: F401
 from .registry import registry
 
 OP = "ln_modulate"
@@ -61,10 +74,15 @@ MAX_THREADS = 1024
 NW_FOR = {(4, 2): 8, (4, 1): 4, (1, 1): 16}
 
 
-def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0):
+def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0, FP8=0):
     """Row kernel factory.  GATED=1: first ``x += gate * y`` (x rounded to bf16 and stored),
     then LN + modulate of the new x.  Arrays are word views: x, y, out [B, L, Cw];
-    gate, shift, scale [B, 1, Cw].  Thread slot k covers words (tid + k*nt)*VW .. +VW (VW 2:
+    gate, shift, scale [B, 1, Cw].
+    FP8=1: the output is the fp8 e4m3 row format (fp8_format): out is the [B, L, Cs] word view
+    of q (one word per thread slot: int64 = 8 fp8 at VW 2, int32 = 4 at VEC 4 / VW 1, uint8 at
+    VEC 1) and qsc [B, L] fp32 gets the row scales; the modulate pass computes y in fp32 and only
+    takes max |y| (block_max), a last pass recomputes the same y (same instructions on the same
+    registers) and writes e4m3(y * 448 / amax).  FP8=0: qsc is unused (any array).  Thread slot k covers words (tid + k*nt)*VW .. +VW (VW 2:
     one 16-byte access).  Only packed words stay in registers (each pass unpacks again: a
     shift or mask per element), which keeps the kernel near 40 registers -> many rows in
     flight per SM; every load of a row is issued before the first reduction.
@@ -76,6 +94,8 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0):
 
     RED = ik.RED_SMEM
     NS = NW // VW
+    AMAX_FLOOR = f8.AMAX_FLOOR
+    E4M3_MAX = f8.E4M3_MAX
     assert not PIPE or (VEC == 4 and VW == 2)
 
     @cuda.jit(device=True, inline=True)
@@ -92,8 +112,9 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0):
                     wyr[2 * k] = t2[0]
                     wyr[2 * k + 1] = t2[1]
 
-    def row_kernel(x, y, gate, shift, scale, out, eps):
+    def row_kernel(x, y, gate, shift, scale, out, qsc, eps):
         smem = cuda.shared.array(RED, float32)
+        tq = cuda.local.array(8, float32)  # FP8: one slot's values (VW * VEC)
         ta = cuda.local.array(4, float32)
         tb = cuda.local.array(4, float32)
         tc = cuda.local.array(4, float32)
@@ -198,6 +219,7 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0):
                                 q += d * d
                 var = block_sum(q, smem) * inv_n
                 r = rsqrt(var + eps)
+                mx = float32(0)
                 for k in range(NS):
                     j = tid + k * nt
                     if j < Cs:
@@ -218,14 +240,49 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0):
                             unpack_w(wsc[k * VW + v], tc, 0, VEC)
                             for e in range(VEC):
                                 ta[e] = (ta[e] - mean) * r * (float32(1) + tc[e]) + tb[e]
-                            if VEC == 4:
+                            if FP8:
+                                for e in range(VEC):
+                                    mx = max(mx, abs(ta[e]))
+                            elif VEC == 4:
                                 wx[k * VW + v] = pack4(ta[0], ta[1], ta[2], ta[3])
                             else:
                                 wx[k * VW + v] = pack1(ta[0])
-                        if VW == 2:
-                            st2(orow, 2 * j, wx[2 * k], wx[2 * k + 1])
-                        else:
-                            orow[j] = wx[k]
+                        if not FP8:
+                            if VW == 2:
+                                st2(orow, 2 * j, wx[2 * k], wx[2 * k + 1])
+                            else:
+                                orow[j] = wx[k]
+                if FP8:  # row scale, then the same y again, quantised (fp8_format)
+                    amax = max(block_max(mx, smem), float32(AMAX_FLOOR))
+                    qinv = fdiv_rn(float32(E4M3_MAX), amax)
+                    if tid == 0:
+                        qsc[b, li] = fdiv_rn(amax, float32(E4M3_MAX))
+                    for k in range(NS):
+                        j = tid + k * nt
+                        if j < Cs:
+                            if LATE:  # read again (cache hits) instead of holding 2 x NW words over block_max
+                                if VW == 2:
+                                    t2 = ld2(shr, 2 * j)
+                                    wsh[2 * k] = t2[0]
+                                    wsh[2 * k + 1] = t2[1]
+                                    t2 = ld2(scr, 2 * j)
+                                    wsc[2 * k] = t2[0]
+                                    wsc[2 * k + 1] = t2[1]
+                                else:
+                                    wsh[k] = shr[j]
+                                    wsc[k] = scr[j]
+                            for v in range(VW):
+                                unpack_w(wx[k * VW + v], ta, 0, VEC)
+                                unpack_w(wsh[k * VW + v], tb, 0, VEC)
+                                unpack_w(wsc[k * VW + v], tc, 0, VEC)
+                                for e in range(VEC):
+                                    tq[v * VEC + e] = ((ta[e] - mean) * r * (float32(1) + tc[e]) + tb[e]) * qinv
+                            if VW == 2:
+                                orow[j] = e4m3x8(tq[0], tq[1], tq[2], tq[3], tq[4], tq[5], tq[6], tq[7])
+                            elif VEC == 4:
+                                orow[j] = e4m3x4(tq[0], tq[1], tq[2], tq[3])
+                            else:
+                                orow[j] = e4m3_1(tq[0])
                 li += cuda.gridDim.y
             b += cuda.gridDim.z
 
@@ -252,33 +309,56 @@ def _sms(index):
 LATE_VEC = {0: os.environ.get("FLUX_NUMBA_LATE_VEC", "1") == "1", 1: False}
 
 
-def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps):
-    """Launch the row kernel (LN + modulate, optionally after the gated residual) on word views."""
+def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps, qsc=None):
+    """Launch the row kernel (LN + modulate, optionally after the gated residual) on word views.
+    ``qsc`` (fp32 [B, L]): the fp8 variant -- ``ow`` is then q's word view (``fp8_format.q_words``
+    with E = VEC * VW) and qsc receives the row scales.  Same pipelining / late-vector choices as
+    the bf16 kernel (not tuned separately yet; the fp8 launchers' keys end in "fp8")."""
     B, L, Cw = xw.shape
     nt = _threads(Cw, NW_FOR[(VEC, VW)])
+    FP8 = int(qsc is not None)
+    tail = ("fp8",) if FP8 else ()
+    if qsc is None:
+        qsc = ow  # unused by the bf16 kernel
     if PIPE_BLOCKS[GATED] > 0 and VEC == 4 and VW == 2:
-        key = ("pipe", GATED)
+        key = ("pipe", GATED) + tail
         la = _launchers.get(key)
         if la is None:
-            la = _launchers[key] = ik.Launcher(lambda: make_row_kernel(4, NW_FOR[(4, 2)], GATED, 2, 1, 1))
+            la = _launchers[key] = ik.Launcher(lambda: make_row_kernel(4, NW_FOR[(4, 2)], GATED, 2, 1, 1, FP8))
         ny = L
         if xw.is_cuda:  # enough blocks to fill the GPU once, each striding over several rows
             dev = xw.device.index if xw.device.index is not None else torch.cuda.current_device()
-            ny = min(L, max(1, _sms(dev) * PIPE_BLOCKS[GATED] // B))
-        la(ik.grid3(1, ny, B), nt, xw, yw, gw, shw, scw, ow, np.float32(eps))
+            per_sm = PIPE_BLOCKS[GATED]
+            if FP8:  # more registers than the bf16 kernel (ptxas 13.0, sm_90: 96 vs 76): what fits
+                per_sm = _resident(key, la, nt, per_sm, (xw, yw, gw, shw, scw, ow, qsc, np.float32(eps)),
+                                   fallback=min(per_sm, 7))  # 7 x 96 threads x 96 registers fit
+            ny = min(L, max(1, _sms(dev) * per_sm // B))
+        la(ik.grid3(1, ny, B), nt, xw, yw, gw, shw, scw, ow, qsc, np.float32(eps))
         return
-    _launcher(VEC, GATED, VW)(ik.grid3(1, L, B), nt, xw, yw, gw, shw, scw, ow, np.float32(eps))
+    _launcher(VEC, GATED, VW, FP8)(ik.grid3(1, L, B), nt, xw, yw, gw, shw, scw, ow, qsc, np.float32(eps))
 
 
 _launchers = {}
+_occupancy = {}
 
 
-def _launcher(VEC, GATED, VW=1):
+def _resident(key, la, nt, cap, args, fallback):
+    """min(cap, blocks of nt threads per SM the launcher's kernel keeps resident), cached with the
+    occupancy API's answer (``fallback`` when it gives none)."""
+    k = (key, nt, cap)
+    hit = _occupancy.get(k)
+    if hit is None:
+        occ = la.occupancy(nt, *args)
+        hit = _occupancy[k] = (fallback if not occ else max(1, min(cap, occ)), occ)
+    return hit[0]
+
+
+def _launcher(VEC, GATED, VW=1, FP8=0):
     late = int(LATE_VEC[GATED])
-    key = (VEC, GATED, VW) + ((late,) if late else ())
+    key = (VEC, GATED, VW) + ((late,) if late else ()) + (("fp8",) if FP8 else ())
     la = _launchers.get(key)
     if la is None:
-        la = _launchers[key] = ik.Launcher(lambda: make_row_kernel(VEC, NW_FOR[(VEC, VW)], GATED, VW, late))
+        la = _launchers[key] = ik.Launcher(lambda: make_row_kernel(VEC, NW_FOR[(VEC, VW)], GATED, VW, late, 0, FP8))
     return la
 
 
@@ -337,6 +417,42 @@ def numba_ln_modulate(x, shift, scale, eps: float = 1e-6):
 registry.register_backend(OP, "numba", numba_ln_modulate, check=check)
 
 
+# ------------------------------------------------------------------------------ fp8 output
+def modulate_fp32(x, shift, scale, eps: float = 1e-6):
+    """fp32 ``LN(x) * (1 + scale) + shift`` in the kernel's order of operations (two-pass
+    statistics, ``(x - mean) * rstd * (1 + scale) + shift``), no bf16 rounding."""
+    xf = x.float()
+    mean = xf.mean(-1, keepdim=True)
+    d = xf - mean
+    r = torch.rsqrt((d * d).mean(-1, keepdim=True) + eps)
+    return d * r * (1 + scale.float()) + shift.float()
+
+
+def reference_fp8(x, shift, scale, eps: float = 1e-6):
+    """(q [B*L, C] fp8 e4m3, row scales [B*L, 1] fp32) of the fp32 LN + modulate output."""
+    return f8.quantize_rows_reference(modulate_fp32(x, shift, scale, eps))
+
+
+OP_FP8 = "ln_modulate_fp8"
+registry.register(OP_FP8, reference_fp8, doc=__doc__)
+
+
+def check_fp8(x, shift, scale, eps: float = 1e-6):
+    return row_check(x, (), (shift, scale)) or f8.check(x.shape[-1], x)
+
+
+def numba_ln_modulate_fp8(x, shift, scale, eps: float = 1e-6):
+    B, L, C = x.shape
+    q, qs = f8.empty(B * L, C, x.device)
+    # q is this call's own (aligned) allocation: only the inputs decide the access width
+    VEC, VW, (xw, shw, scw) = vec_views(x, _expand(shift, B), _expand(scale, B))
+    launch_rows(0, VEC, VW, xw, xw, shw, shw, scw, f8.q_words(q, VEC * VW, B, L), eps, qs.view(B, L))
+    return q, qs
+
+
+registry.register_backend(OP_FP8, "numba", numba_ln_modulate_fp8, check=check_fp8)
+
+
 def _ptx_cases():
     from numba import types as nt
     A = lambda dt, nd: nt.Array(dt, nd, "A")  # noqa: E731
@@ -346,10 +462,16 @@ def _ptx_cases():
         for (vec, vw), nw in NW_FOR.items():
             dt = nt.int64 if vec == 4 else nt.int16
             c[n + " v%dw%d" % (vec, vw)] = lambda G=G, vec=vec, vw=vw, nw=nw, dt=dt: (
-                make_row_kernel(vec, nw, G, vw, int(LATE_VEC[G])), (A(dt, 3),) * 6 + (nt.float32,))
-        c[n + " pipe"] = lambda G=G: (make_row_kernel(4, NW_FOR[(4, 2)], G, 2, 1, 1), (A(nt.int64, 3),) * 6 + (nt.float32,))
+                make_row_kernel(vec, nw, G, vw, int(LATE_VEC[G])), (A(dt, 3),) * 7 + (nt.float32,))
+            qt = {(4, 2): nt.int64, (4, 1): nt.int32, (1, 1): nt.uint8}[(vec, vw)]
+            c[n + " fp8 v%dw%d" % (vec, vw)] = lambda G=G, vec=vec, vw=vw, nw=nw, dt=dt, qt=qt: (
+                make_row_kernel(vec, nw, G, vw, int(LATE_VEC[G]), 0, 1),
+                (A(dt, 3),) * 5 + (A(qt, 3), A(nt.float32, 2), nt.float32))
+        c[n + " pipe"] = lambda G=G: (make_row_kernel(4, NW_FOR[(4, 2)], G, 2, 1, 1), (A(nt.int64, 3),) * 7 + (nt.float32,))
+        c[n + " fp8 pipe"] = lambda G=G: (make_row_kernel(4, NW_FOR[(4, 2)], G, 2, 1, 1, 1),
+                                          (A(nt.int64, 3),) * 6 + (A(nt.float32, 2), nt.float32))
         c[n + " v4w2 other"] = lambda G=G: (make_row_kernel(4, NW_FOR[(4, 2)], G, 2, 1 - int(LATE_VEC[G])),
-                                             (A(nt.int64, 3),) * 6 + (nt.float32,))
+                                             (A(nt.int64, 3),) * 7 + (nt.float32,))
     return c
 
 
