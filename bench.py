@@ -14,7 +14,9 @@ importable -- COMFYUI_PATH or .carry/ComfyUI -- else the pack's standalone model
                 the node runs it: SDPA in torch's backend order or cuDNN-first, measured per shape
   exact-sdpa    as exact, attention SDPA in torch's order (FLASH first; the exact profile before 12-01)
   bf16-attn     as exact, bf16 Numba flash attention forced (wgmma kernel on Hopper)
-  fast          as exact, 8-bit Numba attention
+  attn8         as exact, 8-bit Numba attention (called "fast" before 12-01)
+  fast          the node's fast profile: exact's fusion with the block GEMMs in fp8 e4m3 (row-wise
+                scales, activations quantised by the kernels that write them; flux_core/fast.py)
   ...+graph     the same forward captured once as a CUDA graph and replayed (no launch gaps)
 A variant that cannot run here (``stock`` without ComfyUI, ``+graph`` off a CUDA device or with
 offloaded weights) is skipped with a printed note and ``{"skipped": reason}`` in the JSON.
@@ -60,7 +62,7 @@ def parse():
     p.add_argument("--model", help="FLUX.1 .safetensors (default: random weights of --config)")
     p.add_argument("--config", default="flux1-dev", choices=["flux1-dev", "tiny"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--variants", default="stock,pack-torch,exact,exact+graph,exact-sdpa,fast,fast+graph")
+    p.add_argument("--variants", default="stock,pack-torch,exact,exact+graph,exact-sdpa,attn8,attn8+graph,fast,fast+graph")
     p.add_argument("--warmup", type=_int_at_least(0), default=2)
     p.add_argument("--reps", type=_int_at_least(1), default=5)
     p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference (saves memory/time)")
@@ -170,6 +172,8 @@ def main():
             rep[("single_block", i)] = fs
         return {"dit": rep}
 
+    fp8_weights = {}  # the fast variant's fp8 weight cache (one per process, like the node's per model)
+
     def forward_fn(variant):
         m = model
         if variant.endswith("+graph"):
@@ -181,11 +185,18 @@ def main():
             gf = GraphedForward(lambda xin, tin: eager(xin, tin), module=model)
             return lambda xin=None, tin=None: gf(x if xin is None else xin, t if tin is None else tin)
         policy = {"stock": None, "pack-torch": {"*": "torch"}, "exact": {"*": "auto", "attention": "auto"},
-                  "exact-sdpa": {"*": "auto", "attention": "torch"}, "fast": {"*": "auto", "attention": "numba-8bit"},
+                  "exact-sdpa": {"*": "auto", "attention": "torch"}, "attn8": {"*": "auto", "attention": "numba-8bit"},
+                  "fast": {"*": "auto", "attention": "auto"},
                   "bf16-attn": {"*": "auto", "attention": "numba"}}[variant]
         fused = variant not in ("stock", "pack-torch")
         bctx = BlockContext(fused=fused, gemm_epilogue=fused,
                             quant8=bool(policy) and policy.get("attention") == "numba-8bit")
+        if variant == "fast":
+            from flux_numba_pack.flux_core import fast as fast_mod
+            why = fast_mod.support(dev)
+            if why:
+                raise RuntimeError("fast profile: " + why)
+            bctx.fp8 = fp8_weights.setdefault("w", fast_mod.Fp8Weights())
 
         def fn(xin=None, tin=None):
             xin = x if xin is None else xin

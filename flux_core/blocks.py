@@ -57,6 +57,10 @@ class Weights:
     def linear(self, lin, x):
         return plain_weights(lin, x)
 
+    def linear_ok(self, lin, x) -> bool:
+        """Would ``linear(lin, x)`` hand out weights?  Answered without casting or staging anything."""
+        return plain_weights(lin, x) is not None
+
     def release(self):
         pass
 
@@ -75,6 +79,9 @@ class BlockContext:
     host: a ``Weights`` (how kernels get weight tensors; ComfyUI's adapter inside ComfyUI).
     quant8: the attention is the registry op forced to numba-8bit (the caller's option): qk_norm_rope
         then also emits the int8 pack, passed to the attention op as ``q8``.
+    fp8: the fast profile's weight cache (``flux_core.fast.Fp8Weights``): the fused blocks run their
+        GEMMs in fp8 (``flux_core.fast``) where every block Linear's weights are plain tensors
+        (``Weights.linear_ok``), else the exact path; ``fp8_epoch`` the host's weight-patch identity.
     """
     fused: bool = True
     attention: Optional[Callable] = None
@@ -83,6 +90,16 @@ class BlockContext:
     silu_cache: dict = field(default_factory=dict)
     host: Weights = field(default_factory=Weights)
     quant8: bool = False
+    fp8: Optional[object] = None
+    fp8_epoch: object = None
+
+    def fp8_block(self, kind, blk, like) -> bool:
+        """This block call takes the fp8 path (fast profile, fused order, every Linear handed out as
+        plain weights -- asked without casting anything)."""
+        if self.fp8 is None or not self.fused:
+            return False
+        from . import fast
+        return all(self.host.linear_ok(lin, like) for lin in fast.block_linears(kind, blk))
 
     def wants_q8(self) -> bool:
         """From the options alone: the 8-bit registry op runs (``quant8``, no replacement callable),
@@ -166,6 +183,9 @@ def double_block(blk, img, txt, vec, pe, mask=None, ctx: Optional[BlockContext] 
     ctx = ctx or BlockContext()
     _check_block_inputs(img, "img")
     _check_block_inputs(txt, "txt")
+    if ctx.fp8_block("double", blk, img):
+        from . import fast
+        return fast.double_block(blk, img, txt, vec, pe, mask, ctx)
     H = blk.num_heads
     sv = ctx.silu(vec)
     i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = modulation(blk.img_mod, sv)
@@ -240,6 +260,9 @@ def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None)
     """One FLUX single-stream block. Returns x (updated in place like stock)."""
     ctx = ctx or BlockContext()
     _check_block_inputs(x, "x")
+    if ctx.fp8_block("single", blk, x):
+        from . import fast
+        return fast.single_block(blk, x, vec, pe, mask, ctx)
     H = blk.num_heads
     C = blk.hidden_size
     M = blk.mlp_hidden_dim

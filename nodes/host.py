@@ -169,6 +169,21 @@ class ComfyWeights(Weights):
             return None  # unusual cast result: the module is called (the staged copy is released later)
         return w, b
 
+    def linear_ok(self, lin, x) -> bool:
+        """``linear`` would hand out weights (the same conditions, nothing cast)."""
+        import comfy.ops
+        if not _is_comfy_op(lin):
+            return super().linear_ok(lin, x)
+        if type(lin).forward is not comfy.ops.disable_weight_init.Linear.forward:
+            return False
+        if getattr(lin, "weight", None) is None or not (_plain_tensor(lin.weight) and _plain_tensor(lin.bias)):
+            return False
+        if getattr(lin, "scale_weight", None) is not None:
+            return False
+        if not _casts_per_call(lin):
+            return super().linear_ok(lin, x)
+        return True  # cast_bias_weight casts to the input's dtype and device
+
     def release(self):
         if not self._staged:
             return
@@ -302,6 +317,12 @@ def call_problem(args, extra) -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------- model-level facts
+def weight_epoch(base_model):
+    """Identity of the weight patches (LoRA ...) ComfyUI has applied to the model's weights now
+    (``current_weight_patches_uuid``); caches of converted weights key on it."""
+    return getattr(base_model, "current_weight_patches_uuid", None) if base_model is not None else None
+
+
 def dynamic_vram(model_patcher) -> bool:
     """True when the model is managed by ComfyUI's DynamicVRAM (comfy-aimdo) patcher."""
     try:

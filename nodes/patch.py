@@ -42,11 +42,11 @@ from typing import Optional
 import torch
 
 from .host import (ComfyWeights, attention_override, block_problem, call_problem, default_sdpa_attention, dynamic_block,
-                   flux_attention, resolve_block, staged_block)
+                   flux_attention, resolve_block, staged_block, weight_epoch)
 
 log = logging.getLogger("flux_numba")
 
-PROFILES = ["exact", "stock-order"]
+PROFILES = ["exact", "stock-order", "fast"]
 ATTENTIONS = ["auto", "sdpa", "numba-bf16", "numba-8bit"]
 BACKENDS = ["auto", "torch", "numba"]
 CUDA_GRAPHS = ["auto", "off"]
@@ -145,7 +145,9 @@ class _Runner:
         self.registry = registry
         self.opts = dict(options)
         self.model_ref = model_ref
-        self.fused = options["profile"] == "exact"
+        self.fused = options["profile"] in ("exact", "fast")
+        self.fast = options["profile"] == "fast"
+        self._fp8 = {}  # device -> flux_core.fast.Fp8Weights, or None where fp8 cannot run (logged)
         self.policy, self.attn_route = self._policy(options, registry)
         self.block_ok = {}  # id(block) -> (weakref(block), reason or None, DynamicVRAM weights?)
         # DynamicVRAM: stage each block's weights at once (host.staged_block); "0" only for A/B runs
@@ -185,6 +187,16 @@ class _Runner:
             pol[ATTENTION_OP] = "auto"
             route = "auto"
         return pol, route
+
+    def fp8_cache(self, device):
+        """The fast profile's fp8 weight cache for ``device`` (None, logged once, where it cannot run)."""
+        if device not in self._fp8:
+            from ..flux_core import fast
+            why = fast.support(device)
+            self._fp8[device] = None if why else fast.Fp8Weights()
+            self.note(("fp8", device), logging.WARNING if why else logging.INFO, "profile fast on %s: %s", device,
+                      f"{why}; running the exact profile" if why else "block GEMMs in fp8 e4m3 (row-wise scales)")
+        return self._fp8[device]
 
     def sdpa_direct(self) -> bool:
         """attention "auto": True when ComfyUI's attention is its plain SDPA path
@@ -289,6 +301,9 @@ class _Runner:
         ctx = self.blocks.BlockContext(fused=self.fused, attention=self._attention(topts, sig), silu_cache=self.silu_cache,
                                        gemm_epilogue=self.fused and self.opts["backend"] == "auto" and self.opts["route_norms"],
                                        host=weights, quant8=self.policy.get(ATTENTION_OP) == "numba-8bit")
+        if self.fast:
+            ctx.fp8 = self.fp8_cache(img.device)
+            ctx.fp8_epoch = weight_epoch(self.model_ref() if self.model_ref is not None else None)
         policy = self.policy
         choice = self.attn_choice.get(sig)
         if self.attn_route == "auto" and choice is not None:
@@ -392,7 +407,10 @@ class FluxNumbaPatch:
             "model": ("MODEL", {"tooltip": "A FLUX.1 model (e.g. from FluxNumbaLoader or Load Diffusion Model)."}),
             "profile": (PROFILES, {"default": "exact", "tooltip":
                                    "exact: fused ops with bf16-exact math. stock-order: the pack's blocks in "
-                                   "ComfyUI's op order (no fusion), for A/B."}),
+                                   "ComfyUI's op order (no fusion), for A/B. fast: exact's fusion with the block "
+                                   "GEMMs in fp8 e4m3 (per-token / per-channel scales; sm_90 only, else exact). "
+                                   "Costs an fp8 copy of the block weights on the GPU (~12 GB for FLUX.1-dev) "
+                                   "made on first use, and a small quality loss."}),
             "route_norms": ("BOOLEAN", {"default": True, "label_on": "on", "label_off": "off", "tooltip":
                                         "Route LayerNorm/modulate, q/k RMSNorm+RoPE, GELU and gated residuals "
                                         "through the pack's kernels (off: torch for those)."}),

@@ -203,9 +203,9 @@ def test_benchmark_default_variants_on_cpu(tmp_path):
     assert "Traceback" not in p.stdout + p.stderr
     doc = strict_load(out)
     res = doc["results"]
-    for v in ("exact+graph", "fast+graph"):
+    for v in ("exact+graph", "attn8+graph", "fast+graph"):
         assert "not a CUDA device" in res[v]["skipped"] and f"skipping variant {v}" in p.stdout
     assert "ComfyUI" in res["stock"]["skipped"]
-    for v in ("pack-torch", "exact", "exact-sdpa", "fast"):
+    for v in ("pack-torch", "exact", "exact-sdpa", "attn8", "fast"):
         assert res[v]["ms"] > 0 and "error" not in res[v], res[v]
     assert doc["info"]["speed_measurement"] is False and "not a speed measurement" in p.stdout

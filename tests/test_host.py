@@ -459,3 +459,32 @@ def test_attention_override_goes_through_comfy(comfy, caplog):
     if "optimized_attention_override" in open(__import__("comfy.ldm.modules.attention", fromlist=["x"]).__file__).read():
         assert seen == [2, 2]  # the host's wrapper applied the override (v0.33)
     assert "optimized_attention_override" in caplog.text
+
+
+# ----------------------------------------------------------------------------- fast profile
+def test_fast_profile_runs_fp8_and_follows_lora(comfy, monkeypatch):
+    """profile fast in ComfyUI's sampler: every block GEMM goes through fp8 (no fallback), the result
+    stays within fp8 error of stock, and a LoRA applied after the patch changes the fast output as
+    it changes stock's (the fp8 weights are made from what ComfyUI's patcher hands the block)."""
+    from flux_numba_pack.flux_core import fast
+    if fast.support("cpu"):
+        pytest.skip(fast.support("cpu"))
+    n_mm = []
+    real = fast.scaled_mm
+    monkeypatch.setattr(fast, "scaled_mm", lambda *a, **k: n_mm.append(1) or real(*a, **k))
+    mp = tiny_patcher(comfy, torch.float32)
+    latent = torch.zeros(1, 16, 8, 8)
+    stock = _sample(mp, latent)
+    pm, = Patch().patch(mp, backend="torch", profile="fast")
+    got = _sample(pm, latent)
+    st = patch_stats(pm)
+    assert st["fallbacks"] == 0 and not st.get("off") and n_mm, st
+    assert 1e-5 < rel_err(got, stock) < 0.1, rel_err(got, stock)
+    patches = _lora_patches(mp)
+    stock_l, pm_l = mp.clone(), pm.clone()
+    stock_l.add_patches(patches, 1.0)
+    pm_l.add_patches(patches, 1.0)
+    s_l, g_l = _sample(stock_l, latent), _sample(pm_l, latent)
+    assert rel_err(s_l, stock) > 1e-3 and rel_err(g_l, got) > 1e-3
+    assert rel_err(g_l, s_l) < 0.1, rel_err(g_l, s_l)
+    assert rel_err(g_l - got, s_l - stock) < 0.5  # the LoRA's effect, seen through fp8

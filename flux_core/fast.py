@@ -1,0 +1,193 @@
+"""The fast profile: FLUX blocks with their GEMMs in fp8 e4m3 (issue #13).
+
+Block GEMMs -- qkv, proj, MLP up / down, single-block linear1 / linear2 -- run as
+``torch._scaled_mm`` (cuBLASLt) on fp8 e4m3 operands with row-wise scales: per-token activation
+scales, per-output-channel weight scales, bias and bf16 output in the GEMM's epilogue.  The
+modulation GEMVs, embedders and the final layer stay bf16 (they are not in the blocks' GEMM path).
+
+Every activation quantisation happens in the Numba kernel that writes that GEMM's input (format:
+``cuda_kernels/fp8_format.py``):
+  qkv / mlp-up / linear1 input   ``ln_modulate_fp8``                 (LN + modulate -> fp8 + row scales)
+  double mlp-up input            ``gated_residual_ln_modulate_fp8``  (residual update + next LN + modulate)
+  double mlp-down input          ``gelu_tanh_fp8``                   (GELU of the up-projection)
+  single linear2 input           ``attn_gelu_fp8``                   ([attention | GELU(mlp)], one row scale)
+  double proj input              ``quantize_fp8``                    (the attention output; cuDNN writes bf16)
+Attention itself stays on the attention op (cuDNN-first SDPA by default; bf16 q/k/v).
+
+Weights (``Fp8Weights``): each Linear's weight as the host hands it to the block (after LoRA and
+other weight patches: ``BlockContext.host.linear``), quantised once per weight version --
+(host epoch, storage pointer, version counter, shape) -- to e4m3 with per-output-channel scales
+and cached; a new version (LoRA change, reload) re-quantises only that weight.  The cache holds an
+fp8 copy of the block weights (11.9 GB for FLUX.1-dev) next to the host's bf16 weights.  A block
+whose Linears the host cannot hand out as plain tensors (ComfyUI fp8-stored or quantized
+checkpoints, on-the-fly weight functions) runs the exact path.
+
+Hardware: row-wise scaled fp8 needs sm_90 with a torch whose ``_scaled_mm`` takes row-wise scales
+(``support``); elsewhere the caller runs the exact profile with a log line.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from ..cuda_kernels import registry
+from ..cuda_kernels import fp8_format
+from . import blocks as _b
+
+FP8 = fp8_format.FP8
+
+
+def support(device) -> Optional[str]:
+    """None when the fast profile's fp8 GEMMs can run on ``device``, else the reason."""
+    if FP8 is None or not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no float8_e4m3fn / _scaled_mm"
+    device = torch.device(device)
+    if device.type == "cuda":
+        cc = torch.cuda.get_device_capability(device)
+        if cc < (9, 0):
+            return (f"sm_{cc[0]}{cc[1]}: row-wise scaled fp8 GEMMs need sm_90 (tensor-wise-only GPUs such as "
+                    "sm_89 are not supported yet)")
+        return None
+    if device.type == "cpu":
+        return None  # torch's CPU _scaled_mm: the tests' path (no speed)
+    return f"device {device.type} has no fp8 GEMM path here"
+
+
+def _version(t):
+    try:
+        return t._version
+    except Exception:  # inference tensors have no version counter
+        return None
+
+
+class Fp8Weights:
+    """fp8 e4m3 copies of Linear weights with per-output-channel scales, one per module, redone
+    when the weight the host hands out changes (``epoch``: the host's weight-patch identity, e.g.
+    ComfyUI's ``current_weight_patches_uuid``)."""
+
+    def __init__(self):
+        self._cache = {}
+        self.quantised = 0  # weights (re)quantised so far: a LoRA change touches only its weights
+
+    def get(self, lin, w, b, epoch=None):
+        key = (epoch, w.data_ptr(), _version(w), tuple(w.shape), w.dtype, w.device)
+        hit = self._cache.get(id(lin))
+        if hit is not None and hit[0]() is lin and hit[1] == key:
+            return hit[2], hit[3], b
+        q, s = fp8_format.quantize_rows_reference(w.detach())  # rows of W = output channels
+        ent = (q, s.reshape(1, -1).contiguous())
+        self._cache[id(lin)] = (weakref.ref(lin), key) + ent
+        self.quantised += 1
+        return ent[0], ent[1], b
+
+    def clear(self):
+        self._cache.clear()
+
+    def nbytes(self) -> int:
+        return sum(e[2].numel() + 4 * e[3].numel() for e in self._cache.values())
+
+
+_BIAS_IN_EPILOGUE = {}  # device type -> whether _scaled_mm takes a bf16 bias with row-wise scales here
+
+
+def scaled_mm(xq, xs, wq, ws, bias, out_dtype=torch.bfloat16):
+    """``(xq * xs) @ (wq * ws)^T + bias`` -> [rows, N] in out_dtype, one cuBLASLt call (bias in the
+    epilogue where this torch allows it with row-wise scales, else one add)."""
+    dt = xq.device.type
+    if bias is not None and _BIAS_IN_EPILOGUE.get(dt, True):
+        try:
+            return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=out_dtype)
+        except RuntimeError:
+            _BIAS_IN_EPILOGUE[dt] = False
+    out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def _linear(lin, q, like, ctx):
+    """lin applied to the fp8 activation ``q`` = (values [rows, K], scales [rows, 1]) -> bf16
+    [B, L, N] shaped like ``like`` [B, L, *]."""
+    pw = ctx.host.linear(lin, like)
+    if pw is None:
+        raise RuntimeError(f"{type(lin).__name__}: the host hands out no plain weight (checked per block first)")
+    wq, ws, b = ctx.fp8.get(lin, pw[0], pw[1], ctx.fp8_epoch)
+    out = scaled_mm(q[0], q[1], wq, ws, b, like.dtype)
+    ctx.host.release()
+    B, L = like.shape[0], like.shape[1]
+    return out.view(B, L, -1)
+
+
+def block_linears(kind, blk):
+    if kind == "double":
+        return [blk.img_attn.qkv, blk.txt_attn.qkv, blk.img_attn.proj, blk.txt_attn.proj,
+                blk.img_mlp[0], blk.img_mlp[2], blk.txt_mlp[0], blk.txt_mlp[2]]
+    return [blk.linear1, blk.linear2]
+
+
+def block_problem(kind, blk, like, host) -> Optional[str]:
+    """Why this block cannot take the fp8 path (None: it can): every block Linear must be handed
+    out by the host as plain weights of the activation's dtype, with K and N multiples of 16."""
+    for lin in block_linears(kind, blk):
+        pw = host.linear(lin, like)
+        host.release()
+        if pw is None:
+            return f"{type(lin).__name__} weights are not plain {like.dtype} tensors (fp8-stored, quantized or " \
+                   "patched per call)"
+        if pw[0].shape[0] % 16 or pw[0].shape[1] % 16:
+            return f"Linear {tuple(pw[0].shape)} is not a multiple of 16"
+    return None
+
+
+def double_block(blk, img, txt, vec, pe, mask, ctx):
+    """The double block of ``blocks.double_block`` (fused order) with fp8 GEMMs."""
+    H = blk.num_heads
+    sv = ctx.silu(vec)
+    i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = _b.modulation(blk.img_mod, sv)
+    t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = _b.modulation(blk.txt_mod, sv)
+    eps = ctx.eps
+    Lt = txt.shape[1]
+    img_qkv = _linear(blk.img_attn.qkv, registry.call("ln_modulate_fp8", img, i_sh1, i_sc1, eps), img, ctx)
+    txt_qkv = _linear(blk.txt_attn.qkv, registry.call("ln_modulate_fp8", txt, t_sh1, t_sc1, eps), txt, ctx)
+    parts, qk_eps = _b._qk_parts([(txt_qkv, blk.txt_attn), (img_qkv, blk.img_attn)], ctx)
+    q, k, v, q8 = ctx.qk_norm_rope(parts, pe, H, qk_eps)
+    ctx.host.release()
+    del img_qkv, txt_qkv, parts
+    attn = ctx.attn(q, k, v, mask, pack=q8)
+    del q, k, v, q8
+    for x, a, m, g1, sh2, sc2, g2 in ((img, attn[:, Lt:], blk.img_attn, i_g1, i_sh2, i_sc2, i_g2),
+                                      (txt, attn[:, :Lt], blk.txt_attn, t_g1, t_sh2, t_sc2, t_g2)):
+        mlp = blk.img_mlp if m is blk.img_attn else blk.txt_mlp
+        proj = _linear(m.proj, registry.call("quantize_fp8", a), x, ctx)
+        h = registry.call("gated_residual_ln_modulate_fp8", x, g1, proj, sh2, sc2, eps)
+        del proj
+        up = _linear(mlp[0], h, x, ctx)
+        del h
+        down = _linear(mlp[2], registry.call("gelu_tanh_fp8", up), x, ctx)
+        del up
+        registry.call("gated_residual", x, g2, down)
+    return img, txt
+
+
+def single_block(blk, x, vec, pe, mask, ctx):
+    """The single block of ``blocks.single_block`` (fused order) with fp8 GEMMs."""
+    H, C = blk.num_heads, blk.hidden_size
+    sv = ctx.silu(vec)
+    sh, sc, g = _b.modulation(blk.modulation, sv)
+    lin1 = _linear(blk.linear1, registry.call("ln_modulate_fp8", x, sh, sc, ctx.eps), x, ctx)
+    qkv, mlp = lin1[..., :3 * C], lin1[..., 3 * C:]
+    parts, qk_eps = _b._qk_parts([(qkv, blk)], ctx)
+    q, k, v, q8 = ctx.qk_norm_rope(parts, pe, H, qk_eps)
+    ctx.host.release()
+    del parts
+    if _b._views_of(lin1, q, k, v):  # torch qk_norm_rope: q/k/v view linear1's output
+        a = ctx.attn(q, k, v, mask, pack=q8)
+    else:  # the attention output over lin1's dead v columns, as the exact path does
+        a = ctx.attn(q, k, v, mask, out=lin1[..., 2 * C:3 * C], pack=q8)
+    del q, k, v, q8, qkv
+    out = _linear(blk.linear2, registry.call("attn_gelu_fp8", a, mlp), x, ctx)
+    del a, mlp, lin1
+    registry.call("gated_residual", x, g, out)
+    return x
