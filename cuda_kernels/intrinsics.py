@@ -594,19 +594,15 @@ class Launcher:
     Any failure there disables the fast path (logged) and the ordinary numba launch
     (``kernel[grid, block, stream](*arrays)``, also what the simulator uses) takes over.
     ``FLUX_NUMBA_FAST_LAUNCH=0`` disables it.
-    ``shmem``: bytes of dynamic shared memory per block (above 48 KB the kernel is opted in to it
-    once per compiled overload: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES).
     """
 
-    __slots__ = ("factory", "kernel", "_cfg", "_fast", "shmem", "_optin")
+    __slots__ = ("factory", "kernel", "_cfg", "_fast")
 
-    def __init__(self, factory, shmem=0):
+    def __init__(self, factory):
         self.factory = factory  # () -> numba dispatcher; called on first launch only
         self.kernel = None
         self._cfg = {}
         self._fast = {} if _FAST_OK else None
-        self.shmem = int(shmem)
-        self._optin = set()
 
     def __call__(self, grid, block, *args):
         k = self.kernel
@@ -621,7 +617,7 @@ class Launcher:
             if handle is not False:
                 cfg = self._cfg.get((grid, block))
                 if cfg is None:
-                    cfg = self._cfg[(grid, block)] = _launch_config(grid, block, self.shmem)
+                    cfg = self._cfg[(grid, block)] = _launch_config(grid, block)
                 params = []
                 for a in args:
                     if isinstance(a, torch.Tensor):
@@ -641,21 +637,8 @@ class Launcher:
         if cfg is None:
             if len(self._cfg) > 256:
                 self._cfg.clear()
-            cfg = self._cfg[key] = k[grid, block, st, self.shmem] if self.shmem else k[grid, block, st]
-        margs = [_arg(a) for a in args]
-        if self.shmem > 48 * 1024 and not SIMULATOR:
-            self._opt_in(k.compile(tuple(k.typeof_pyval(a) for a in margs)))
-        cfg(*margs)
-
-    def _opt_in(self, kern):
-        """Allow ``self.shmem`` bytes of dynamic shared memory for this compiled overload."""
-        cufunc = kern._codelibrary.get_cufunc()
-        if id(cufunc) in self._optin:
-            return
-        from numba.cuda.cudadrv import driver as _drv
-        attr = _drv.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _drv.driver.cuKernelSetAttribute(attr, self.shmem, cufunc.handle, cufunc.device.id)
-        self._optin.add(id(cufunc))
+            cfg = self._cfg[key] = k[grid, block, st]
+        cfg(*[_arg(a) for a in args])
 
     def occupancy(self, nt, *args):
         """Blocks of ``nt`` threads per SM that the kernel compiled for these launch arguments
@@ -695,8 +678,6 @@ class Launcher:
             kern = self.kernel.compile(tuple(sig))
             if getattr(kern, "cooperative", False):
                 raise TypeError("cooperative kernel")
-            if self.shmem > 48 * 1024:
-                self._opt_in(kern)
             return kern._codelibrary.get_cufunc().kernel
         except Exception as e:  # pragma: no cover - GPU only
             import logging
@@ -773,10 +754,10 @@ if NUMBA_OK and not SIMULATOR and os.environ.get("FLUX_NUMBA_FAST_LAUNCH", "1") 
         _NB_DTYPES = {torch.int16: _i16, torch.bfloat16: _i16, torch.float16: _i16,
                       torch.int64: _i64, torch.float32: _f32, torch.int32: _i32, torch.uint8: _u8}
 
-        def _launch_config(grid, block, shmem=0):
+        def _launch_config(grid, block):
             if _GE10:
-                return _LaunchConfig(grid=grid, block=block, shmem_size=shmem, is_cooperative=False)
-            return _LaunchConfig(grid=grid, block=block, shmem_size=shmem, cooperative_launch=False)
+                return _LaunchConfig(grid=grid, block=block, shmem_size=0, is_cooperative=False)
+            return _LaunchConfig(grid=grid, block=block, shmem_size=0, cooperative_launch=False)
 
         _FAST_OK = True
     except Exception:  # pragma: no cover - numba-cuda internals moved: ordinary launches
