@@ -266,8 +266,9 @@ class GpuMem:
 
 
 def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
-    """API prompt for one case: stock | patched | easycache | lazycache | stock_easycache | stock_lazycache."""
-    patched = case in ("patched", "easycache", "lazycache")
+    """API prompt for one case: stock | patched | patched_fast (profile fast) | easycache | lazycache |
+    stock_easycache | stock_lazycache."""
+    patched = case in ("patched", "patched_fast", "easycache", "lazycache")
     g = {
         "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
         "cond": {"class_type": "FluxNumbaBenchConditioning", "inputs": {"seed": 3, "tokens": 256,
@@ -279,7 +280,7 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
     vae_ref = ["vae", 0]
     if patched:
         g["patch"] = {"class_type": "FluxNumbaPatch", "inputs": {
-            "model": model, "profile": "exact", "route_norms": True, "attention": "auto", "backend": "auto",
+            "model": model, "profile": "fast" if case == "patched_fast" else "exact", "route_norms": True, "attention": "auto", "backend": "auto",
             "cuda_graph": "auto"}}
         model = ["patch", 0]
         g["vpatch"] = {"class_type": "FluxNumbaVAEPatch", "inputs": {"vae": vae_ref, "enabled": True, "backend": "auto"}}
