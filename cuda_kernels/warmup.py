@@ -29,6 +29,9 @@ def _cache_files() -> set:
     return out
 
 
+FP8_OPS = ("ln_modulate_fp8", "gated_residual_ln_modulate_fp8", "quantize_fp8", "gelu_tanh_fp8", "attn_gelu_fp8")
+
+
 def warm_calls(device) -> List[Tuple[str, str, Callable]]:
     """(op, backend, call) for every Numba backend, at small shapes with FLUX's widths."""
     dev, bf = torch.device(device), torch.bfloat16
@@ -52,6 +55,13 @@ def warm_calls(device) -> List[Tuple[str, str, Callable]]:
         ("attention", "numba", lambda: registry.call("attention", q, q, q, None)),
         ("attention", "numba-8bit", lambda: _warm_8bit(qkv_t, qkv_i, s, pe, H, q)),
         ("groupnorm_silu", "numba", lambda: registry.call("groupnorm_silu", gn, 32, w, w, 1e-6, True)),
+        # the fast profile's quantising kernels (FP8_OPS: warmed only for that profile)
+        ("ln_modulate_fp8", "numba", lambda: registry.call("ln_modulate_fp8", x, sh, sc, 1e-6)),
+        ("gated_residual_ln_modulate_fp8", "numba",
+         lambda: registry.call("gated_residual_ln_modulate_fp8", x.clone(), gt, y, sh, sc, 1e-6)),
+        ("quantize_fp8", "numba", lambda: registry.call("quantize_fp8", x)),
+        ("gelu_tanh_fp8", "numba", lambda: registry.call("gelu_tanh_fp8", lin1[..., 3 * C:])),
+        ("attn_gelu_fp8", "numba", lambda: registry.call("attn_gelu_fp8", lin1[..., 2 * C:3 * C], lin1[..., 3 * C:])),
     ]
     return [(op, b, fn) for op, b, fn in calls if op in registry.ops and b in registry.backends(op)]
 

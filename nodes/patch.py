@@ -366,8 +366,14 @@ def warm_kernels(unique_id, opts) -> dict:
     from .progress import compile_progress
     want_attn = {"numba-bf16": {"numba"}, "numba-8bit": {"numba-8bit"}}.get(
         opts["attention"], {"numba"} if opts["backend"] == "numba" and opts["attention"] != "sdpa" else set())
+    fp8 = False
+    if opts["profile"] == "fast":
+        from ..flux_core import fast
+        fp8 = fast.support("cuda") is None  # elsewhere the fast profile runs exact (logged at the first step)
     calls = [c for c in warmup.warm_calls("cuda")
-             if (c[0] == "attention" and c[1] in want_attn) or (c[0] != "attention" and opts["route_norms"])]
+             if (c[0] in warmup.FP8_OPS and fp8)
+             or (c[0] == "attention" and c[1] in want_attn)
+             or (c[0] not in warmup.FP8_OPS and c[0] != "attention" and opts["route_norms"])]
     with compile_progress(unique_id, total=len(calls)) as prog:
         res = warmup.warm_all("cuda", backends={(c[0], c[1]) for c in calls}, on_begin=prog.begin,
                               on_step=lambda name, cached, dt, err: prog.step(name + (f" FAILED ({err})" if err else ""),
