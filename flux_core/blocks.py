@@ -61,6 +61,11 @@ class Weights:
         """Would ``linear(lin, x)`` hand out weights?  Answered without casting or staging anything."""
         return plain_weights(lin, x) is not None
 
+    def linear_fp8(self, lin, x):
+        """(weight e4m3 [N, K], per-tensor scale or None, bias in x's dtype) when the module stores its
+        weight in fp8 e4m3 already (the fast profile then uses it as it is), else None."""
+        return None
+
     def release(self):
         pass
 

@@ -14,8 +14,10 @@ Every activation quantisation happens in the Numba kernel that writes that GEMM'
   double proj input              ``quantize_fp8``                    (the attention output; cuDNN writes bf16)
 Attention itself stays on the attention op (cuDNN-first SDPA by default; bf16 q/k/v).
 
-Weights (``Fp8Weights``): each Linear's weight as the host hands it to the block (after LoRA and
-other weight patches: ``BlockContext.host.linear``), quantised once per weight version --
+Weights: a Linear whose stored weight is fp8 e4m3 already (ComfyUI's fp8_e4m3fn weight dtype:
+``BlockContext.host.linear_fp8``) is the GEMM's operand as it is (per-channel scale 1), no copy.
+Otherwise (``Fp8Weights``) each Linear's weight as the host hands it to the block (after LoRA and
+other weight patches: ``BlockContext.host.linear``) is quantised once per weight version --
 (host epoch, storage pointer, version counter, shape) -- to e4m3 with per-output-channel scales
 and cached; a new version (LoRA change, reload) re-quantises only that weight.  The cache holds an
 fp8 copy of the block weights (11.9 GB for FLUX.1-dev) next to the host's bf16 weights.  A block
@@ -69,6 +71,7 @@ class Fp8Weights:
 
     def __init__(self):
         self._cache = {}
+        self._ones = {}
         self.quantised = 0  # weights (re)quantised so far: a LoRA change touches only its weights
 
     def get(self, lin, w, b, epoch=None):
@@ -81,6 +84,16 @@ class Fp8Weights:
         self._cache[id(lin)] = (weakref.ref(lin), key) + ent
         self.quantised += 1
         return ent[0], ent[1], b
+
+    def tensor_scale(self, scale, N, device):
+        """``scale_b`` [1, N] fp32 for weights stored in fp8 with one per-tensor scale (None: 1)."""
+        if scale is None:
+            key = ("ones", N, device)
+            t = self._ones.get(key)
+            if t is None:
+                t = self._ones[key] = torch.ones(1, N, device=device, dtype=torch.float32)
+            return t
+        return scale.to(device=device, dtype=torch.float32).reshape(1, 1).expand(1, N).contiguous()
 
     def clear(self):
         self._cache.clear()
@@ -110,10 +123,14 @@ def scaled_mm(xq, xs, wq, ws, bias, out_dtype=torch.bfloat16):
 def _linear(lin, q, like, ctx):
     """lin applied to the fp8 activation ``q`` = (values [rows, K], scales [rows, 1]) -> bf16
     [B, L, N] shaped like ``like`` [B, L, *]."""
-    pw = ctx.host.linear(lin, like)
-    if pw is None:
-        raise RuntimeError(f"{type(lin).__name__}: the host hands out no plain weight (checked per block first)")
-    wq, ws, b = ctx.fp8.get(lin, pw[0], pw[1], ctx.fp8_epoch)
+    p8 = ctx.host.linear_fp8(lin, like)
+    if p8 is not None:  # fp8-stored weights: the GEMM's operand as they are
+        wq, ws, b = p8[0], ctx.fp8.tensor_scale(p8[1], p8[0].shape[0], p8[0].device), p8[2]
+    else:
+        pw = ctx.host.linear(lin, like)
+        if pw is None:
+            raise RuntimeError(f"{type(lin).__name__}: the host hands out no plain weight (checked per block first)")
+        wq, ws, b = ctx.fp8.get(lin, pw[0], pw[1], ctx.fp8_epoch)
     out = scaled_mm(q[0], q[1], wq, ws, b, like.dtype)
     ctx.host.release()
     B, L = like.shape[0], like.shape[1]

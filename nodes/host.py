@@ -169,6 +169,37 @@ class ComfyWeights(Weights):
             return None  # unusual cast result: the module is called (the staged copy is released later)
         return w, b
 
+    def linear_fp8(self, lin, x):
+        """The fast profile's fp8 hand-off: (weight e4m3 [N, K] on x's device, None, bias in x's dtype)
+        for ComfyUI's plain Linear op whose stored weight is fp8 e4m3 without a scale (UNETLoader's
+        ``fp8_e4m3fn`` / ``fp8_e4m3fn_fast`` weight dtypes), staged by ``cast_bias_weight`` with no
+        dtype cast (DynamicVRAM / offload as usual) -- the stored weights are the GEMM's operand, no
+        bf16 round trip, no second copy.  None for anything else (bf16 storage, scaled / quantized
+        fp8 tensors, on-the-fly weight functions: those go through ``linear``)."""
+        import comfy.ops
+        fp8 = getattr(torch, "float8_e4m3fn", None)
+        w = getattr(lin, "weight", None)
+        if fp8 is None or w is None or not _is_comfy_op(lin) or not isinstance(lin, torch.nn.Linear):
+            return None
+        if type(lin).forward is not comfy.ops.disable_weight_init.Linear.forward:
+            return None
+        if w.dtype != fp8 or not (_plain_tensor(w) and _plain_tensor(lin.bias)):
+            return None
+        if getattr(lin, "scale_weight", None) is not None or getattr(lin, "weight_function", None) \
+                or getattr(lin, "bias_function", None):
+            return None
+        if _casts_per_call(lin) or w.device != x.device:
+            wq, b, state = comfy.ops.cast_bias_weight(lin, None, dtype=fp8, device=x.device, bias_dtype=x.dtype,
+                                                      offloadable=True)
+            self._staged.append((lin, wq, b, state))
+        else:
+            wq, b = w, lin.bias
+            if b is not None and (b.dtype != x.dtype or b.device != x.device):
+                b = b.to(device=x.device, dtype=x.dtype)
+        if not (type(wq) is torch.Tensor or isinstance(wq, torch.nn.Parameter)) or wq.dtype != fp8:
+            return None
+        return wq, None, b
+
     def linear_ok(self, lin, x) -> bool:
         """``linear`` would hand out weights (the same conditions, nothing cast)."""
         import comfy.ops

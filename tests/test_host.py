@@ -488,3 +488,39 @@ def test_fast_profile_runs_fp8_and_follows_lora(comfy, monkeypatch):
     assert rel_err(s_l, stock) > 1e-3 and rel_err(g_l, got) > 1e-3
     assert rel_err(g_l, s_l) < 0.1, rel_err(g_l, s_l)
     assert rel_err(g_l - got, s_l - stock) < 0.5  # the LoRA's effect, seen through fp8
+
+
+def _fp8_stored_patcher(comfy):
+    import comfy.model_patcher
+    import comfy.supported_models
+    from flux_numba_pack.flux_core import TINY, tiny_state_dict
+    cfg = dict(TINY.comfy_kwargs(), image_model="flux")
+    mc = comfy.supported_models.Flux(cfg)
+    mc.set_inference_dtype(torch.float8_e4m3fn, torch.float32)  # fp8 storage, fp32 compute (manual cast)
+    bm = mc.get_model({}, device=torch.device("cpu"))
+    bm.diffusion_model.load_state_dict(mc.process_unet_state_dict(
+        {k: v.to(torch.float8_e4m3fn) for k, v in tiny_state_dict(0).items()}), strict=True)
+    return comfy.model_patcher.ModelPatcher(bm, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def test_fast_profile_uses_fp8_stored_weights_as_they_are(comfy, monkeypatch):
+    """fp8-stored checkpoint (UNETLoader weight dtype fp8_e4m3fn): the fast profile feeds the stored
+    e4m3 weights to the GEMM -- nothing re-quantised, no bf16 copy -- and matches stock closely."""
+    from flux_numba_pack.flux_core import fast
+    if fast.support("cpu"):
+        pytest.skip(fast.support("cpu"))
+    quantised, operands = [], []
+    real_get, real_mm = fast.Fp8Weights.get, fast.scaled_mm
+    monkeypatch.setattr(fast.Fp8Weights, "get", lambda self, *a, **k: quantised.append(1) or real_get(self, *a, **k))
+    monkeypatch.setattr(fast, "scaled_mm", lambda *a, **k: operands.append(a[2]) or real_mm(*a, **k))
+    mp = _fp8_stored_patcher(comfy)
+    latent = torch.zeros(1, 16, 8, 8)
+    stock = _sample(mp, latent)
+    pm, = Patch().patch(mp, backend="torch", profile="fast")
+    got = _sample(pm, latent)
+    st = patch_stats(pm)
+    assert st["fallbacks"] == 0 and not st.get("off"), st
+    assert operands and not quantised
+    stored = {p.data_ptr() for p in mp.model.diffusion_model.parameters() if p.dtype == torch.float8_e4m3fn}
+    assert all(w.dtype == torch.float8_e4m3fn and w.data_ptr() in stored for w in operands)
+    assert rel_err(got, stock) < 0.1, rel_err(got, stock)
