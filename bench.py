@@ -54,6 +54,17 @@ def _int_at_least(lo, multiple=1):
     return check
 
 
+def _outliers(s):
+    try:
+        n, f = s.split(",")
+        n, f = int(n), float(f)
+        if n >= 1 and f > 0:
+            return s
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected N,F (channels >= 1, factor > 0), got {s!r}")
+
+
 def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--res", type=_int_at_least(16, 16), default=1024, help="image side in pixels (multiple of 16)")
@@ -65,6 +76,9 @@ def parse():
     p.add_argument("--variants", default="stock,pack-torch,exact,exact+graph,exact-sdpa,attn8,attn8+graph,fast,fast+graph")
     p.add_argument("--warmup", type=_int_at_least(0), default=2)
     p.add_argument("--reps", type=_int_at_least(1), default=5)
+    p.add_argument("--outliers", default=None, metavar="N,F", type=_outliers,
+                   help="stress case: N hidden channels F times larger (img_in / txt_in output rows scaled; the "
+                        "residual stream keeps them), as real DiTs have a few massive activation channels")
     p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference (saves memory/time)")
     p.add_argument("--trajectory", type=int, default=0, help="also run an N-step Euler trajectory (PSNR vs fp32)")
     p.add_argument("--no-comfy", action="store_true", help="use the standalone model even if ComfyUI is importable")
@@ -147,6 +161,13 @@ def main():
                     w.fill_(1.0) if "scale" in n else w.normal_(0, 0.01, generator=g)
                 else:
                     w.normal_(0, 0.02, generator=g)
+        if a.outliers:
+            n_out, f_out = a.outliers.split(",")
+            for emb in (model.img_in, model.txt_in):
+                emb.weight[: int(n_out)] *= float(f_out)
+                if emb.bias is not None:
+                    emb.bias[: int(n_out)] *= float(f_out)
+            info["outliers"] = {"channels": int(n_out), "factor": float(f_out)}
     print(f"model ready in {time.time() - t0:.1f}s ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params)")
 
     lat = a.res // 8

@@ -194,6 +194,15 @@ def test_benchmark_harness_smoke(tmp_path):
     assert "ms/step" in p.stdout
 
 
+def test_benchmark_outlier_stress_option(tmp_path):
+    out = tmp_path / "b.json"
+    run("bench.py", "--config", "tiny", "--device", "cpu", "--res", "32", "--txt", "8", "--no-comfy", "--no-ref",
+        "--variants", "exact", "--reps", "1", "--warmup", "0", "--outliers", "4,30", "--json", str(out))
+    assert strict_load(out)["info"]["outliers"] == {"channels": 4, "factor": 30.0}
+    p = run("bench.py", "--outliers", "4", check=False)
+    assert p.returncode == 2 and "--outliers: expected N,F" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_benchmark_default_variants_on_cpu(tmp_path):
     """The README's bench smoke command (default variants): what cannot run on a CPU (+graph, and
     stock without ComfyUI) is skipped with a note, the rest runs, exit 0, strict JSON."""
