@@ -47,6 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 import _pack  # noqa: E402
 
 _pack.load()
+import _rows_common as RC  # noqa: E402  (bench/, beside this script)
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import fp8_format as F8, fp8_rows as FR  # noqa: E402
 from flux_numba_pack.cuda_kernels import ln_modulate as LM, gated_residual as GR  # noqa: E402
@@ -111,15 +112,7 @@ if PTX_ONLY:
     sys.exit(0)
 
 if SIM:  # wall-clock stand-ins for the CUDA timing calls
-    class _Ev:
-        def __init__(self, **kw):
-            self.t = 0.0
-
-        def record(self):
-            self.t = time.perf_counter()
-
-        def elapsed_time(self, other):
-            return (other.t - self.t) * 1e3
+    from _attn_common import _Ev  # noqa: E402
     torch.cuda.Event = _Ev
     torch.cuda.synchronize = lambda *a: None
     torch.cuda._sleep = lambda n: None
@@ -129,34 +122,8 @@ torch.backends.cudnn.allow_tf32 = False
 
 
 # ------------------------------------------------------------------------------------- helpers
-class Poison:
-    """torch.empty returns NaN-filled tensors inside the block (an unwritten fp8 byte is NaN)."""
-
-    def __enter__(self):
-        self.real = torch.empty
-
-        def nan_empty(*a, **kw):
-            t = self.real(*a, **kw)
-            if t.is_floating_point():
-                t.fill_(float("nan"))
-            return t
-        torch.empty = nan_empty
-
-    def __exit__(self, *exc):
-        torch.empty = self.real
-
-
-def run(op, backend, *args, **kw):
-    registry.strict = True
-    try:
-        with registry.force(backend, ops=[op]):
-            return registry.call(op, *args, **kw)
-    finally:
-        registry.strict = False
-
-
-def rnd(*shape, scale=1.0, offset=0.0):
-    return (torch.randn(*shape, device=DEV) * scale + offset).to(BF)
+Poison, run = RC.Poison, RC.run
+rnd = RC.make_rnd(DEV)
 
 
 def device_time_us(fn, reps=REPS, warm=3):

@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import _pack  # noqa: E402
 
 _pack.load()
+import _rows_common as RC  # noqa: E402  (bench/, beside this script)
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import intrinsics as ik  # noqa: E402
 from flux_numba_pack.cuda_kernels import ln_modulate as LM, gated_residual as GR  # noqa: E402
@@ -122,34 +123,8 @@ DEV = "cuda"
 
 
 # ------------------------------------------------------------------------------------- helpers
-class Poison:
-    """torch.empty returns NaN-filled tensors inside the block (catches unwritten outputs)."""
-
-    def __enter__(self):
-        self.real = torch.empty
-
-        def nan_empty(*a, **kw):
-            t = self.real(*a, **kw)
-            if t.is_floating_point():
-                t.fill_(float("nan"))
-            return t
-        torch.empty = nan_empty
-
-    def __exit__(self, *exc):
-        torch.empty = self.real
-
-
-def run(op, backend, *args, **kw):
-    registry.strict = True
-    try:
-        with registry.force(backend, ops=[op]):
-            return registry.call(op, *args, **kw)
-    finally:
-        registry.strict = False
-
-
-def rnd(*shape, scale=1.0, offset=0.0):
-    return (torch.randn(*shape, device=DEV) * scale + offset).to(torch.bfloat16)
+Poison, run = RC.Poison, RC.run
+rnd = RC.make_rnd(DEV)
 
 
 def flat(o):

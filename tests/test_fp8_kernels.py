@@ -10,7 +10,6 @@ or differ by one e4m3 step (fp32 rounding order: LN statistics, FMA contraction,
 GELU), on at most a few elements; scales to 1e-6 relative; dequantised values within one e4m3
 step of the fp32 values.
 """
-import os
 
 import pytest
 import torch
@@ -20,8 +19,7 @@ from flux_numba_pack.cuda_kernels import intrinsics as ik
 from flux_numba_pack.cuda_kernels import fp8_format as F8, fp8_rows as FR
 from flux_numba_pack.cuda_kernels import ln_modulate as LM, gated_residual as GR
 
-DEV = "cuda" if os.environ.get("FLUX_NUMBA_REAL_GPU") == "1" else "cpu"
-BF = torch.bfloat16
+from _kernel_testing import DEV, BF, rnd, strict_and_poison  # noqa: F401  (autouse fixture)
 FP8_OPS = ("ln_modulate_fp8", "gated_residual_ln_modulate_fp8", "quantize_fp8", "gelu_tanh_fp8", "attn_gelu_fp8")
 
 pytestmark = [pytest.mark.skipif(not ik.NUMBA_OK, reason="numba not importable"),
@@ -29,31 +27,8 @@ pytestmark = [pytest.mark.skipif(not ik.NUMBA_OK, reason="numba not importable")
 gpu_only = pytest.mark.skipif(DEV != "cuda", reason="GPU test (FLUX_NUMBA_REAL_GPU=1 on a CUDA machine)")
 
 
-@pytest.fixture(autouse=True)
-def strict_and_poison(monkeypatch):
-    real_empty = torch.empty
-
-    def nan_empty(*a, **kw):
-        t = real_empty(*a, **kw)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    old = registry.strict
-    registry.strict = True
-    try:
-        yield
-    finally:
-        registry.strict = old
-
-
 def numba():
     return registry.force("torch", **{op: "numba" for op in FP8_OPS})
-
-
-def rnd(*shape, scale=1.0, offset=0.0):
-    return (torch.randn(*shape, device=DEV) * scale + offset).to(BF)
 
 
 def ordinal(q):

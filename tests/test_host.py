@@ -209,17 +209,8 @@ def test_sampling_runs_the_pack_and_equals_stock(comfy, case):
     c = CASES[case]
     dtype = torch.float32
     if c.get("fp8"):
-        import comfy.model_patcher
-        import comfy.supported_models
-        from flux_numba_pack.flux_core import TINY, tiny_state_dict
-        cfg = dict(TINY.comfy_kwargs(), image_model="flux")
-        mc = comfy.supported_models.Flux(cfg)
-        mc.set_inference_dtype(torch.float8_e4m3fn, torch.float32)  # fp8 storage, fp32 compute (manual cast)
-        bm = mc.get_model({}, device=torch.device("cpu"))
-        bm.diffusion_model.load_state_dict(mc.process_unet_state_dict(
-            {k: v.to(torch.float8_e4m3fn) for k, v in tiny_state_dict(0).items()}), strict=True)
-        mp = comfy.model_patcher.ModelPatcher(bm, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
-        assert any(p.dtype == torch.float8_e4m3fn for p in bm.diffusion_model.parameters())
+        mp = _fp8_stored_patcher(comfy)
+        assert any(p.dtype == torch.float8_e4m3fn for p in mp.model.diffusion_model.parameters())
     else:
         mp = tiny_patcher(comfy, dtype)
     h, w = c.get("hw", TINY_LATENT[1:])

@@ -18,39 +18,15 @@ from flux_numba_pack.cuda_kernels import ln_modulate as LM, gelu_tanh as GT, gat
 from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
 from flux_numba_pack.flux_core import blocks
 
-DEV = "cuda" if os.environ.get("FLUX_NUMBA_REAL_GPU") == "1" else "cpu"
-BF = torch.bfloat16
+from _kernel_testing import DEV, BF, rnd, strict_and_poison  # noqa: F401  (autouse fixture)
 FUSED_OPS = ("ln_modulate", "gated_residual", "gated_residual_ln_modulate", "qk_norm_rope", "gelu_tanh")
 
 pytestmark = pytest.mark.skipif(not ik.NUMBA_OK, reason="numba not importable")
 
 
-@pytest.fixture(autouse=True)
-def strict_and_poison(monkeypatch):
-    real_empty = torch.empty
-
-    def nan_empty(*a, **kw):
-        t = real_empty(*a, **kw)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    old = registry.strict
-    registry.strict = True
-    try:
-        yield
-    finally:
-        registry.strict = old
-
-
 def numba():
     """Our ops forced to numba; every other op (attention, ...) on the torch reference."""
     return registry.force("torch", **{op: "numba" for op in FUSED_OPS})
-
-
-def rnd(*shape, scale=1.0, offset=0.0):
-    return (torch.randn(*shape, device=DEV) * scale + offset).to(BF)
 
 
 def close(out, ref, tol=1.6e-2):
