@@ -12,11 +12,11 @@ Per block call ``fn(args, extra)``:
     weight functions), which host features the fused path cannot run -- comes from ``host.py``;
   * the op policy (backend / attention / route_norms) is applied with ``registry.force(...)`` only
     while this model's block runs, so two differently patched models in one graph don't interfere;
-  * attention "auto": where ComfyUI's attention is its plain SDPA path, the registry's attention
-    op runs, its backend measured once per shape (SDPA in torch's order -- FLASH first -- or
-    cuDNN first: on an H200 0.85 vs 0.45 ms per FLUX call; v0.33 itself orders FLASH first, v0.8.0
-    cuDNN first); a user's own attention choice (sage / flash-attn / xformers ...) is called as
-    ComfyUI's.  An ``optimized_attention_override`` from another node always goes through
+  * attention "auto": the registry picks the attention op's backend once per shape (the pack's
+    kernels are opt-in; SDPA in torch's order -- FLASH first -- or cuDNN first: on an H200 0.74-0.85
+    vs 0.375 ms per FLUX call; v0.33 itself orders FLASH first, v0.8.0 cuDNN first).  Where it picks
+    SDPA and ComfyUI's attention is its plain SDPA path, the measured order runs; where ComfyUI's
+    attention is something else (sage / flash-attn / xformers / split ...), ComfyUI's is called.  An ``optimized_attention_override`` from another node always goes through
     ComfyUI's attention;
   * a block or call the fused path does not cover (a non-FLUX.1 block, unexpected shapes/dtypes,
     ``attn1_patch`` / ``attn1_output_patch``, Kontext ``modulation_dims``) runs ComfyUI's original
@@ -55,6 +55,7 @@ CUDA_GRAPHS = ["auto", "off"]
 ATTENTION_BACKEND = {"numba-bf16": "numba", "numba-8bit": "numba-8bit"}
 ATTENTION_OP = "attention"
 REFERENCE_NAME = "torch"  # the registry's reference backend
+SDPA_BACKENDS = (REFERENCE_NAME, "cudnn")  # the attention op's torch SDPA backends (torch's order / cuDNN first)
 INFO_KEY = "flux_numba"
 
 # patch id -> live counters (calls, fallbacks, reasons); the step timer may read ``stats(id)``
@@ -199,17 +200,17 @@ class _Runner:
         return self._fp8[device]
 
     def sdpa_direct(self) -> bool:
-        """attention "auto": True when ComfyUI's attention is its plain SDPA path
-        (``host.default_sdpa_attention``) -- the registry then picks the attention op's backend by
-        measurement (SDPA in torch's order or cuDNN-first, the pack's kernels only when forced) and
-        runs it; False when the user chose an attention (sage, flash-attn, xformers, ...), which is
-        then called as ComfyUI's."""
+        """attention "auto", the registry's pick is an SDPA backend: True when ComfyUI's attention is
+        its plain SDPA path (``host.default_sdpa_attention``) -- the measured SDPA order then runs;
+        False when ComfyUI's attention is something else (sage, flash-attn, xformers, split ...:
+        chosen by the user or by ComfyUI for this platform), which is then called as ComfyUI's."""
         d = self._sdpa_direct
         if d is None:
             d = self._sdpa_direct = default_sdpa_attention()
             self.note(("sdpa direct",), logging.INFO, "attention auto: %s", "ComfyUI's attention is plain SDPA; "
                       "the SDPA backend order is picked by measurement per shape" if d else
-                      "ComfyUI's attention is the user's choice (not plain SDPA): it is called as ComfyUI's")
+                      "ComfyUI's attention is not plain SDPA (sage / flash-attn / xformers / split ...): it is called "
+                      "as ComfyUI's where the registry picks SDPA")
         return d
 
     def note(self, key, level, msg, *a):
@@ -234,7 +235,7 @@ class _Runner:
                       "attention runs through ComfyUI's optimized_attention, which applies it (logged once)",
                       "optimized_attention_override")
             return comfy_attention
-        if route == "comfy" or (route == "auto" and not self.sdpa_direct()):
+        if route == "comfy" or (choice in SDPA_BACKENDS and not self.sdpa_direct()):
             return comfy_attention
         if route == "registry" or choice is not None:
             return None  # BlockContext calls the registry's "attention" op under the policy
@@ -243,6 +244,8 @@ class _Runner:
             """First call of an input signature: let the registry choose, remember the choice."""
             b = registry.choose(ATTENTION_OP, q, k, v, mask)
             self.attn_choice[sig] = b.name
+            if b.name in SDPA_BACKENDS and not self.sdpa_direct():
+                return comfy_attention(q, k, v, mask)
             registry.usage[(ATTENTION_OP, b.name)] += 1
             registry.last[ATTENTION_OP] = b.name
             return b.fn(q, k, v, mask)
@@ -306,7 +309,7 @@ class _Runner:
             ctx.fp8_epoch = weight_epoch(self.model_ref() if self.model_ref is not None else None)
         policy = self.policy
         choice = self.attn_choice.get(sig)
-        if self.attn_route == "auto" and choice is not None:
+        if self.attn_route == "auto" and choice is not None and (choice not in SDPA_BACKENDS or self.sdpa_direct()):
             policy = dict(policy, **{ATTENTION_OP: choice})  # the registry op writes straight into `out`
         backup = None
         if sig not in self.proven:  # the first call of a signature only: undo an in-place update on failure
