@@ -633,11 +633,15 @@ class Launcher:
                 return
         st = runtime.stream()
         key = (grid, block, st)
-        cfg = self._cfg.get(key)
+        cfg = None if SIMULATOR else self._cfg.get(key)
         if cfg is None:
             if len(self._cfg) > 256:
                 self._cfg.clear()
-            cfg = self._cfg[key] = k[grid, block, st]
+            # (the simulator's kernel[...] configures and returns the kernel object itself: a cached
+            # configuration would launch with the grid of the latest one, so it is never reused there)
+            cfg = k[grid, block, st]
+            if not SIMULATOR:
+                self._cfg[key] = cfg
         cfg(*[_arg(a) for a in args])
 
     def occupancy(self, nt, *args):

@@ -144,3 +144,24 @@ def test_shape_key_is_hashable_and_tells_layouts_apart():
     assert a == OpRegistry.shape_key((torch.ones(2, 4, 6), [x, 1e-6]), {"out": None}) and hash(a) == hash(a)
     assert a != OpRegistry.shape_key((x.transpose(1, 2).contiguous().transpose(1, 2), [x, 1e-6]), {"out": None})
     assert a != OpRegistry.shape_key((x.double(), [x, 1e-6]), {"out": None})
+
+
+def _mark(out):  # a module-level kernel body: the simulator swaps this module's global ``cuda`` per thread
+    if cuda.threadIdx.x == 0:
+        out[cuda.blockIdx.x] = cuda.blockIdx.x + 1
+
+
+def test_launcher_grids_do_not_leak_between_launches():
+    """One Launcher launched with grids 3, 1, 3: each launch runs its own grid (in the simulator
+    ``kernel[grid, block]`` returns the kernel object itself, so a reused cached configuration
+    would run the latest grid)."""
+    from flux_numba_pack.cuda_kernels import intrinsics as ik
+    if not ik.NUMBA_OK or not ik.SIMULATOR:
+        pytest.skip("simulator launcher behaviour")
+    global cuda
+    from numba import cuda
+    la = ik.Launcher(lambda: cuda.jit(_mark))
+    for n in (3, 1, 3):
+        out = torch.zeros(4, dtype=torch.int64)
+        la((n,), (32,), out)
+        assert out.tolist() == [i + 1 for i in range(n)] + [0] * (4 - n), (n, out.tolist())
