@@ -116,7 +116,7 @@ def test_patch_schema_and_options():
     assert o == {"profile": "stock-order", "route_norms": False, "attention": "sdpa", "backend": "torch",
                  "cuda_graph": "auto"}
     assert FluxNumbaPatch.options(cuda_graph="off")["cuda_graph"] == "off"
-    for bad in (dict(profile="fast"), dict(attention="flash"), dict(backend="cuda"), dict(cuda_graph="yes")):
+    for bad in (dict(profile="turbo"), dict(attention="flash"), dict(backend="cuda"), dict(cuda_graph="yes")):
         with pytest.raises(ValueError):
             FluxNumbaPatch.options(**bad)
 
