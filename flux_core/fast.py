@@ -20,9 +20,9 @@ Otherwise (``Fp8Weights``) each Linear's weight as the host hands it to the bloc
 other weight patches: ``BlockContext.host.linear``) is quantised once per weight version --
 (host epoch, storage pointer, version counter, shape) -- to e4m3 with per-output-channel scales
 and cached; a new version (LoRA change, reload) re-quantises only that weight.  The cache holds an
-fp8 copy of the block weights (11.9 GB for FLUX.1-dev) next to the host's bf16 weights.  A block
-whose Linears the host cannot hand out as plain tensors (ComfyUI fp8-stored or quantized
-checkpoints, on-the-fly weight functions) runs the exact path.
+fp8 copy of bf16 block weights (11.9 GB for FLUX.1-dev) next to the host's.  A block whose Linears
+the host hands out neither way (scaled / quantized fp8 tensors, custom ops) runs the exact path
+(``BlockContext.fp8_block``).
 
 Hardware: row-wise scaled fp8 needs sm_90 with a torch whose ``_scaled_mm`` takes row-wise scales
 (``support``); elsewhere the caller runs the exact profile with a log line.
@@ -36,6 +36,7 @@ import torch
 
 from ..cuda_kernels import registry
 from ..cuda_kernels import fp8_format
+from ..cuda_kernels.runtime import tensor_version
 from . import blocks as _b
 
 FP8 = fp8_format.FP8
@@ -57,13 +58,6 @@ def support(device) -> Optional[str]:
     return f"device {device.type} has no fp8 GEMM path here"
 
 
-def _version(t):
-    try:
-        return t._version
-    except Exception:  # inference tensors have no version counter
-        return None
-
-
 class Fp8Weights:
     """fp8 e4m3 copies of Linear weights with per-output-channel scales, one per module, redone
     when the weight the host hands out changes (``epoch``: the host's weight-patch identity, e.g.
@@ -75,7 +69,7 @@ class Fp8Weights:
         self.quantised = 0  # weights (re)quantised so far: a LoRA change touches only its weights
 
     def get(self, lin, w, b, epoch=None):
-        key = (epoch, w.data_ptr(), _version(w), tuple(w.shape), w.dtype, w.device)
+        key = (epoch, w.data_ptr(), tensor_version(w), tuple(w.shape), w.dtype, w.device)
         hit = self._cache.get(id(lin))
         if hit is not None and hit[0]() is lin and hit[1] == key:
             return hit[2], hit[3], b
@@ -85,21 +79,13 @@ class Fp8Weights:
         self.quantised += 1
         return ent[0], ent[1], b
 
-    def tensor_scale(self, scale, N, device):
-        """``scale_b`` [1, N] fp32 for weights stored in fp8 with one per-tensor scale (None: 1)."""
-        if scale is None:
-            key = ("ones", N, device)
-            t = self._ones.get(key)
-            if t is None:
-                t = self._ones[key] = torch.ones(1, N, device=device, dtype=torch.float32)
-            return t
-        return scale.to(device=device, dtype=torch.float32).reshape(1, 1).expand(1, N).contiguous()
-
-    def clear(self):
-        self._cache.clear()
-
-    def nbytes(self) -> int:
-        return sum(e[2].numel() + 4 * e[3].numel() for e in self._cache.values())
+    def ones(self, N, device):
+        """``scale_b`` [1, N] of ones: the per-channel scales of weights stored in fp8 as they are."""
+        key = (N, device)
+        t = self._ones.get(key)
+        if t is None:
+            t = self._ones[key] = torch.ones(1, N, device=device, dtype=torch.float32)
+        return t
 
 
 _BIAS_IN_EPILOGUE = {}  # device type -> whether _scaled_mm takes a bf16 bias with row-wise scales here
@@ -125,7 +111,7 @@ def _linear(lin, q, like, ctx):
     [B, L, N] shaped like ``like`` [B, L, *]."""
     p8 = ctx.host.linear_fp8(lin, like)
     if p8 is not None:  # fp8-stored weights: the GEMM's operand as they are
-        wq, ws, b = p8[0], ctx.fp8.tensor_scale(p8[1], p8[0].shape[0], p8[0].device), p8[2]
+        (wq, b), ws = p8, ctx.fp8.ones(p8[0].shape[0], p8[0].device)
     else:
         pw = ctx.host.linear(lin, like)
         if pw is None:
@@ -142,20 +128,6 @@ def block_linears(kind, blk):
         return [blk.img_attn.qkv, blk.txt_attn.qkv, blk.img_attn.proj, blk.txt_attn.proj,
                 blk.img_mlp[0], blk.img_mlp[2], blk.txt_mlp[0], blk.txt_mlp[2]]
     return [blk.linear1, blk.linear2]
-
-
-def block_problem(kind, blk, like, host) -> Optional[str]:
-    """Why this block cannot take the fp8 path (None: it can): every block Linear must be handed
-    out by the host as plain weights of the activation's dtype, with K and N multiples of 16."""
-    for lin in block_linears(kind, blk):
-        pw = host.linear(lin, like)
-        host.release()
-        if pw is None:
-            return f"{type(lin).__name__} weights are not plain {like.dtype} tensors (fp8-stored, quantized or " \
-                   "patched per call)"
-        if pw[0].shape[0] % 16 or pw[0].shape[1] % 16:
-            return f"Linear {tuple(pw[0].shape)} is not a multiple of 16"
-    return None
 
 
 def double_block(blk, img, txt, vec, pe, mask, ctx):

@@ -69,6 +69,20 @@ def _plain_tensor(t) -> bool:
     return t is None or type(t.data) is torch.Tensor
 
 
+def _is_tensor(t) -> bool:
+    """A plain tensor or Parameter (not a QuantizedTensor or other subclass) -- what a cast returned."""
+    return type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)
+
+
+def _plain_linear_op(lin) -> bool:
+    """ComfyUI's plain Linear op (its forward is F.linear on the cast weights) with unquantized
+    storage and no per-tensor weight scale: the only Linear whose weights the fused path reads."""
+    import comfy.ops
+    return (type(lin).forward is comfy.ops.disable_weight_init.Linear.forward
+            and getattr(lin, "weight", None) is not None and _plain_tensor(lin.weight) and _plain_tensor(lin.bias)
+            and getattr(lin, "scale_weight", None) is None)
+
+
 @contextlib.contextmanager
 def op_weights(m, like):
     """``(weight, bias)`` of a module for input ``like``, the way ComfyUI's op forward gets them:
@@ -152,42 +166,32 @@ class ComfyWeights(Weights):
         return mm.cast_to(ps[0], dtype=like.dtype, device=like.device)
 
     def linear(self, lin, x):
-        import comfy.ops
         if not _is_comfy_op(lin):
             return super().linear(lin, x)
-        if type(lin).forward is not comfy.ops.disable_weight_init.Linear.forward:
-            return None  # fp8 / quantized / custom op: only its own forward knows the math
-        if getattr(lin, "weight", None) is not None and not (_plain_tensor(lin.weight) and _plain_tensor(lin.bias)):
-            return None  # QuantizedTensor storage (scaled fp8 ...): call the module
-        if getattr(lin, "scale_weight", None) is not None:
-            return None
+        if not _plain_linear_op(lin):
+            return None  # fp8 / quantized (QuantizedTensor) / scaled / custom op: only its forward knows the math
         if not _casts_per_call(lin):
             return super().linear(lin, x)
         w, b = self._cast(lin, x)
-        if not (type(w) is torch.Tensor or isinstance(w, torch.nn.Parameter)) or w.dtype != x.dtype \
+        if not _is_tensor(w) or w.dtype != x.dtype \
                 or w.device != x.device or (b is not None and (b.dtype != x.dtype or b.device != x.device)):
             return None  # unusual cast result: the module is called (the staged copy is released later)
         return w, b
 
     def linear_fp8(self, lin, x):
-        """The fast profile's fp8 hand-off: (weight e4m3 [N, K] on x's device, None, bias in x's dtype)
-        for ComfyUI's plain Linear op whose stored weight is fp8 e4m3 without a scale (UNETLoader's
+        """The fast profile's fp8 hand-off: (weight e4m3 [N, K] on x's device, bias in x's dtype) for
+        ComfyUI's plain Linear op whose stored weight is fp8 e4m3 without a scale (UNETLoader's
         ``fp8_e4m3fn`` / ``fp8_e4m3fn_fast`` weight dtypes), staged by ``cast_bias_weight`` with no
         dtype cast (DynamicVRAM / offload as usual) -- the stored weights are the GEMM's operand, no
         bf16 round trip, no second copy.  None for anything else (bf16 storage, scaled / quantized
         fp8 tensors, on-the-fly weight functions: those go through ``linear``)."""
         import comfy.ops
         fp8 = getattr(torch, "float8_e4m3fn", None)
-        w = getattr(lin, "weight", None)
-        if fp8 is None or w is None or not _is_comfy_op(lin) or not isinstance(lin, torch.nn.Linear):
+        if fp8 is None or not _is_comfy_op(lin) or not _plain_linear_op(lin) or lin.weight.dtype != fp8:
             return None
-        if type(lin).forward is not comfy.ops.disable_weight_init.Linear.forward:
+        if getattr(lin, "weight_function", None) or getattr(lin, "bias_function", None):
             return None
-        if w.dtype != fp8 or not (_plain_tensor(w) and _plain_tensor(lin.bias)):
-            return None
-        if getattr(lin, "scale_weight", None) is not None or getattr(lin, "weight_function", None) \
-                or getattr(lin, "bias_function", None):
-            return None
+        w = lin.weight
         if _casts_per_call(lin) or w.device != x.device:
             wq, b, state = comfy.ops.cast_bias_weight(lin, None, dtype=fp8, device=x.device, bias_dtype=x.dtype,
                                                       offloadable=True)
@@ -196,20 +200,15 @@ class ComfyWeights(Weights):
             wq, b = w, lin.bias
             if b is not None and (b.dtype != x.dtype or b.device != x.device):
                 b = b.to(device=x.device, dtype=x.dtype)
-        if not (type(wq) is torch.Tensor or isinstance(wq, torch.nn.Parameter)) or wq.dtype != fp8:
+        if not _is_tensor(wq) or wq.dtype != fp8:
             return None
-        return wq, None, b
+        return wq, b
 
     def linear_ok(self, lin, x) -> bool:
         """``linear`` would hand out weights (the same conditions, nothing cast)."""
-        import comfy.ops
         if not _is_comfy_op(lin):
             return super().linear_ok(lin, x)
-        if type(lin).forward is not comfy.ops.disable_weight_init.Linear.forward:
-            return False
-        if getattr(lin, "weight", None) is None or not (_plain_tensor(lin.weight) and _plain_tensor(lin.bias)):
-            return False
-        if getattr(lin, "scale_weight", None) is not None:
+        if not _plain_linear_op(lin):
             return False
         if not _casts_per_call(lin):
             return super().linear_ok(lin, x)

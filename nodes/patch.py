@@ -317,38 +317,33 @@ class _Runner:
         versions = (self.version(img), None if txt is None else self.version(txt))
         self.stats["calls"] += 1
         with staged_block(blk, img.device, hit[2] and self.stage_blocks):
-            return self._run(kind, index, blk, img, txt, vec, pe, mask, ctx, policy, sig, fsig, backup, versions,
-                             weights, args, extra)
-
-    def _run(self, kind, index, blk, img, txt, vec, pe, mask, ctx, policy, sig, fsig, backup, versions, weights,
-             args, extra):
-        try:
-            with self.registry.force(**policy):
-                if kind == "double":
-                    o_img, o_txt = self.blocks.double_block(blk, img, txt, vec, pe, mask, ctx)
-                    out = {"img": o_img, "txt": o_txt}
-                else:
-                    out = {"img": self.blocks.single_block(blk, img, vec, pe, mask, ctx)}
-        except Exception as e:
-            if _is_oom(e):
-                raise
-            why = f"raised {type(e).__name__}: {e}"
-            if backup is not None:
-                img.copy_(backup[0])
-                if txt is not None:
-                    txt.copy_(backup[1])
-            else:
-                now = (self.version(img), None if txt is None else self.version(txt))
-                if versions[0] is None or now != versions:  # unknown (inference mode) or updated
-                    log.error("[flux_numba] %s block %d %s after updating its input in place; cannot fall "
-                              "back", kind, index, why)
+            try:
+                with self.registry.force(**policy):
+                    if kind == "double":
+                        o_img, o_txt = self.blocks.double_block(blk, img, txt, vec, pe, mask, ctx)
+                        out = {"img": o_img, "txt": o_txt}
+                    else:
+                        out = {"img": self.blocks.single_block(blk, img, vec, pe, mask, ctx)}
+            except Exception as e:
+                if _is_oom(e):
                     raise
-            self.turn_off(fsig, kind, index, why)
-            return self.fallback(kind, index, why, args, extra)
-        finally:
-            weights.release()
-        self.proven.add(sig)
-        return out
+                why = f"raised {type(e).__name__}: {e}"
+                if backup is not None:
+                    img.copy_(backup[0])
+                    if txt is not None:
+                        txt.copy_(backup[1])
+                else:
+                    now = (self.version(img), None if txt is None else self.version(txt))
+                    if versions[0] is None or now != versions:  # unknown (inference mode) or updated
+                        log.error("[flux_numba] %s block %d %s after updating its input in place; cannot fall "
+                                  "back", kind, index, why)
+                        raise
+                self.turn_off(fsig, kind, index, why)
+                return self.fallback(kind, index, why, args, extra)
+            finally:
+                weights.release()
+            self.proven.add(sig)
+            return out
 
 
 def _use_stock_rope():
