@@ -77,11 +77,18 @@ def parse():
     p.add_argument("--variants", default="stock,pack-torch,exact,exact+graph,exact-sdpa,attn8,attn8+graph,fast,fast+graph")
     p.add_argument("--warmup", type=_int_at_least(0), default=2)
     p.add_argument("--reps", type=_int_at_least(1), default=5)
+    p.add_argument("--weight-dtype", default="default", choices=["default", "fp8_e4m3fn"],
+                   help="fp8_e4m3fn: the diffusion model stored in fp8 e4m3 as UNETLoader's weight_dtype of that "
+                        "name stores it (ComfyUI's manual_cast ops; needs ComfyUI): stock casts each weight per call, "
+                        "the fast profile takes the stored fp8 weights as its GEMM operands")
     p.add_argument("--outliers", default=None, metavar="N,F", type=_outliers,
                    help="stress case: N hidden channels F times larger (img_in / txt_in output rows scaled; the "
                         "residual stream keeps them), as real DiTs have a few massive activation channels")
     p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference (saves memory/time)")
     p.add_argument("--trajectory", type=int, default=0, help="also run an N-step Euler trajectory (PSNR vs fp32)")
+    p.add_argument("--save-latents", default=None, metavar="PATH",
+                   help="with --trajectory: torch.save the final latent of each variant and of the fp32 reference "
+                        "(bench/decode_ssim.py decodes them and compares the images)")
     p.add_argument("--no-comfy", action="store_true", help="use the standalone model even if ComfyUI is importable")
     p.add_argument("--no-autotune", dest="autotune", action="store_false",
                    help="auto picks by priority instead of timing each candidate once per shape")
@@ -89,6 +96,8 @@ def parse():
     p.add_argument("--vae", action="store_true", help="also time the FLUX VAE decode of a 1024^2 image, "
                    "stock ComfyUI decoder vs FluxNumbaVAEPatch's (bench/gpu_vae.py run_decoder)")
     p.add_argument("--memory", default="", help="comma list of variants: allocations live at the peak of one forward")
+    p.add_argument("--host-profile", default="", help="comma list of variants: one forward under cProfile "
+                   "(top Python functions by own time: where the eager step's host time goes)")
     p.add_argument("--profile", default="", help="comma list of variants to profile (one forward): top GPU kernels")
     return p.parse_args()
 
@@ -131,8 +140,11 @@ def main():
             comfy.cli_args.args.cpu = True  # as `main.py --cpu`
         import comfy.ops
         from comfy.ldm.flux.model import Flux
+        ops, store = comfy.ops.disable_weight_init, dtype
+        if a.weight_dtype == "fp8_e4m3fn":  # UNETLoader weight_dtype fp8_e4m3fn: fp8 storage, manual_cast ops
+            ops, store = comfy.ops.manual_cast, torch.float8_e4m3fn
         with torch.device(dev):
-            model = Flux(dtype=dtype, device=dev, operations=comfy.ops.disable_weight_init, **cfg.comfy_kwargs())
+            model = Flux(dtype=store, device=dev, operations=ops, **cfg.comfy_kwargs())
         info["comfy_kitchen"] = _has_kitchen()
         import comfy.ldm.flux.math
         from flux_numba_pack.cuda_kernels import qk_norm_rope
@@ -158,10 +170,13 @@ def main():
         else:
             g = torch.Generator(device=dev).manual_seed(0)
             for n, w in model.named_parameters():  # the weights of ../shared probe/stock_flux.py
+                v = torch.empty(w.shape, device=dev, dtype=dtype) if w.dtype != dtype else w
                 if w.ndim == 1:
-                    w.fill_(1.0) if "scale" in n else w.normal_(0, 0.01, generator=g)
+                    v.fill_(1.0) if "scale" in n else v.normal_(0, 0.01, generator=g)
                 else:
-                    w.normal_(0, 0.02, generator=g)
+                    v.normal_(0, 0.02, generator=g)
+                if v is not w:
+                    w.copy_(v)  # fp8 storage: rounded from the same bf16 draws
         if a.outliers:
             n_out, f_out = a.outliers
             for emb in (model.img_in, model.txt_in):
@@ -169,6 +184,8 @@ def main():
                 if emb.bias is not None:
                     emb.bias[:n_out] *= f_out
             info["outliers"] = {"channels": n_out, "factor": f_out}
+    info["weight_dtype"] = a.weight_dtype
+    info["weights_gb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     print(f"model ready in {time.time() - t0:.1f}s ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params)")
 
     lat = a.res // 8
@@ -213,6 +230,9 @@ def main():
         fused = variant not in ("stock", "pack-torch")
         bctx = BlockContext(fused=fused, gemm_epilogue=fused,
                             quant8=bool(policy) and policy.get("attention") == "numba-8bit")
+        if a.weight_dtype != "default":  # weights cast per call by ComfyUI's ops: get them the way the node does
+            from flux_numba_pack.nodes.host import ComfyWeights
+            bctx.host = ComfyWeights()
         if variant == "fast":
             from flux_numba_pack.flux_core import fast as fast_mod
             why = fast_mod.support(dev)
@@ -276,6 +296,7 @@ def main():
 
     # ---------------------------------------------------------------- time each variant
     registry.autotune = a.autotune
+    finals = {"fp32-reference": ref_traj.float().cpu()} if ref_traj is not None else {}
     for v in variants:
         fn = forward_fn(v)
         try:
@@ -292,9 +313,11 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
             with ClockLog(dev) as clk:
                 times = step_times(fn, dev, warmup=a.warmup, reps=a.reps)
+            host = host_ms(fn, dev, a.reps) if dev.type == "cuda" else None
             out = fn()
             used = registry.take_usage()
             r = {"ms": med(times), "times": times, "first_call_s": first, "gpu_clocks": clk.summary(),
+                 "host_ms": host,
                  "ms_back_to_back": back_to_back_ms(fn, a.reps) if dev.type == "cuda" else None,
                  "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else None,
                  "backends": {op: sorted(b) for op, b in used.items()}}
@@ -304,6 +327,7 @@ def main():
                 traj = euler_sample(fn, x, steps)
                 r["traj_psnr_db"] = psnr(ref_traj, traj.float())  # inf (JSON null) when identical:
                 r["traj_identical"] = bool(torch.equal(ref_traj.float(), traj.float()))
+                finals[v] = traj.float().cpu()
             results[v] = r
             print(f"{v}: {r['ms']:.2f} ms  " + json.dumps({k: r[k] for k in r if k not in ('times',)}))
         except Exception as e:  # report and go on
@@ -318,6 +342,12 @@ def main():
             results.setdefault(v, {})["profile"] = profile_forward(forward_fn(v), v)
         except Exception as e:
             print(f"profile {v} failed: {type(e).__name__}: {e}")
+
+    for v in [v for v in a.host_profile.split(",") if v]:
+        try:
+            results.setdefault(v, {})["host_profile"] = host_profile(forward_fn(v), v, dev)
+        except Exception as e:
+            print(f"host profile {v} failed: {type(e).__name__}: {e}")
 
     for v in [v for v in a.memory.split(",") if v]:
         try:
@@ -334,6 +364,11 @@ def main():
         except Exception as e:
             results["vae-decode"] = {"error": f"{type(e).__name__}: {e}"}
 
+    if a.save_latents and finals:
+        os.makedirs(os.path.dirname(os.path.abspath(a.save_latents)), exist_ok=True)
+        torch.save({"info": json.loads(json.dumps(info, default=str)), "latents": finals}, a.save_latents)
+        print(f"final latents of {sorted(finals)} -> {a.save_latents}")
+
     info["speed_measurement"] = dev.type == "cuda" and not runtime.SIMULATOR
     # the "vs stock" column: against ComfyUI's forward, else the pack's torch path; none off a GPU
     base = ((results.get("stock") or {}).get("ms") or (results.get("pack-torch") or {}).get("ms")
@@ -346,7 +381,7 @@ def main():
         with open(os.path.join(os.environ["OUT"], os.path.basename(a.json)), "w") as f:
             json.dump(doc, f, indent=1, allow_nan=False)
     print(f"\nFLUX {a.config if not a.model else a.model} {a.res}x{a.res} txt {a.txt} batch {a.batch} on {info['device']}")
-    print(f"{'variant':<12} {'ms/step':>9} {'vs stock':>9} {'b2b ms':>7} {'peak GB':>8} {'rel err':>8} {'traj dB':>8} {'SM MHz':>7} {'W':>5} {'capped':>6}")
+    print(f"{'variant':<12} {'ms/step':>9} {'vs stock':>9} {'b2b ms':>7} {'host ms':>7} {'peak GB':>8} {'rel err':>8} {'traj dB':>8} {'SM MHz':>7} {'W':>5} {'capped':>6}")
     for v, r in results.items():
         if v == "vae-decode":
             continue
@@ -366,7 +401,8 @@ def main():
         cl = (f"{ck['sm_mhz_median']:>7.0f} {ck['power_w_median']:>5.0f} {ck['power_capped_share']:>6.0%}"
               if ck else f"{'-':>7} {'-':>5} {'-':>6}")
         b2b = f"{r['ms_back_to_back']:.2f}" if r.get("ms_back_to_back") else "-"
-        print(f"{v:<12} {r['ms']:>9.2f} {ratio:>9} {b2b:>7} {pk:>8} {re_:>8} {tr:>8} {cl}")
+        hm = f"{r['host_ms']:.1f}" if r.get("host_ms") else "-"
+        print(f"{v:<12} {r['ms']:>9.2f} {ratio:>9} {b2b:>7} {hm:>7} {pk:>8} {re_:>8} {tr:>8} {cl}")
     if not info["speed_measurement"]:
         print("(not on a CUDA GPU: no Numba kernel ran; a smoke test of the harness, not a speed measurement)")
     vd = results.get("vae-decode")
@@ -425,6 +461,45 @@ def memory_at_peak(fn, label, top=14):
         print(f"  {e['size'] / 1e6:9.1f} MB  {where(e)[:150]}")
     return {"base_gb": base / 1e9, "peak_above_base_gb": peak / 1e9,
             "top": [(e["size"], where(e)[:200]) for e in rows]}
+
+
+def host_ms(fn, dev, n):
+    """Median host time to enqueue one forward (the device idle at the start, no sync at the end):
+    when it exceeds the event time, the eager step is host-bound."""
+    import statistics
+    import torch
+    ts = []
+    for _ in range(n):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize(dev)
+    return statistics.median(ts)
+
+
+def host_profile(fn, label, dev, top=30):
+    """One forward under cProfile after a warm-up: the top functions by own time (printed, returned)."""
+    import cProfile
+    import io
+    import pstats
+    import torch
+    fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    fn()
+    pr.disable()
+    wall = (time.perf_counter() - t0) * 1e3
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    text = f"host profile {label}: {wall:.1f} ms under cProfile\n" + buf.getvalue()
+    print(text)
+    return text
 
 
 def back_to_back_ms(fn, n):

@@ -15,6 +15,15 @@ Dispatch for a call, in order:
 
 Every decision is logged once per (op, backend, reason) at INFO, and counted in ``usage``
 so the step timer can report what ran.  No ComfyUI imports here.
+
+A decision is remembered per (op, requested backend, autotune on/off, shape key) -- shapes,
+dtypes, devices, strides and plain values of every argument, which is all a check may look at --
+so a call that repeats a signature (every block of every step) skips the checks and the key
+building of the tuning table: dispatch is then a dict lookup.  Not remembered: a forced backend
+that fell back (counted per call in ``fallbacks``), a choice made while a CUDA graph is captured
+(no timing there), and calls with an argument the key cannot describe (any object but tensors,
+numbers, strings, None and tuples/lists of them).  Registering a backend or changing the
+process-wide policy forgets every decision.
 """
 from __future__ import annotations
 
@@ -64,6 +73,7 @@ class OpRegistry:
         self.usage: Counter = Counter()  # (op, backend) -> calls
         self.last: Dict[str, str] = {}  # op -> backend of the last call
         self.fallbacks: Counter = Counter()  # (op, backend, reason) -> times a forced/auto choice fell back
+        self._choices: Dict[tuple, "Backend"] = {}  # remembered decisions (module docstring)
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, reference: Callable, doc: str = "", mutates: Sequence[int] = ()) -> Op:
@@ -73,6 +83,7 @@ class OpRegistry:
         else:
             op = self.ops[name] = Op(name, reference, doc, tuple(mutates))
         op.backends[REFERENCE] = Backend(REFERENCE, reference, None, -1000)
+        self._choices.clear()
         return op
 
     def register_backend(self, op_name: str, backend: str, fn: Callable, check: Optional[Callable] = None,
@@ -82,6 +93,7 @@ class OpRegistry:
         if op_name not in self.ops:
             raise KeyError(f"register the op {op_name!r} (with its torch reference) before a backend")
         self.ops[op_name].backends[backend] = Backend(backend, fn, check, priority, auto)
+        self._choices.clear()
 
     def backends(self, op_name: str):
         return list(self.ops[op_name].backends)
@@ -96,6 +108,7 @@ class OpRegistry:
     def set_policy(self, policy: Dict[str, str]):
         """Process-wide policy, e.g. {"*": "auto"} or {"attention": "torch"}."""
         self._policy = dict(policy)
+        self._choices.clear()
 
     @contextlib.contextmanager
     def force(self, backend: str = None, ops: Optional[Sequence[str]] = None, **per_op: str):
@@ -136,8 +149,23 @@ class OpRegistry:
             return f"check raised {type(e).__name__}: {e}"
 
     def choose(self, op_name: str, *args, **kwargs) -> Backend:
-        op = self.ops[op_name]
         want = self.requested(op_name)
+        sk = self.shape_key(args, kwargs, strict=True)
+        key = None if sk is None else (op_name, want, self.autotune, sk)
+        if key is not None:
+            b = self._choices.get(key)
+            if b is not None:
+                return b
+        b, final = self._choose(op_name, want, args, kwargs, sk)
+        if key is not None and final:
+            if len(self._choices) > 8192:
+                self._choices.clear()
+            self._choices[key] = b
+        return b
+
+    def _choose(self, op_name, want, args, kwargs, sk):
+        """(backend, final): final when the same signature would get the same backend again."""
+        op = self.ops[op_name]
         if want not in ("auto", REFERENCE):
             b = op.backends.get(want)
             why = None if b is not None else f"backend {want!r} not registered for {op_name}"
@@ -145,15 +173,15 @@ class OpRegistry:
                 why = self._check(b, args, kwargs)
             if why is None:
                 self._note(op_name, want, "forced")
-                return b
+                return b, True
             if self.strict:
                 raise RuntimeError(f"forced backend {want!r} cannot run {op_name}: {why}")
             self.fallbacks[(op_name, want, why)] += 1
             self._note(op_name, REFERENCE, f"forced {want} unavailable: {why}", logging.WARNING)
-            return op.backends[REFERENCE]
+            return op.backends[REFERENCE], False
         if want == REFERENCE:
             self._note(op_name, REFERENCE, "forced")
-            return op.backends[REFERENCE]
+            return op.backends[REFERENCE], True
         # auto
         ok = []
         for b in op.candidates():
@@ -163,11 +191,11 @@ class OpRegistry:
             else:
                 self._note(op_name, REFERENCE if not ok else ok[0].name, f"{b.name} skipped: {why}")
         if not ok:
-            return op.backends[REFERENCE]
+            return op.backends[REFERENCE], True
         if self.autotune:
-            return self._tuned_choice(op, ok + [op.backends[REFERENCE]], args, kwargs)
+            return self._tuned_choice(op, ok + [op.backends[REFERENCE]], args, kwargs, sk)
         self._note(op_name, ok[0].name, "auto: highest priority backend that accepts these inputs")
-        return ok[0]
+        return ok[0], True
 
     def call(self, op_name: str, *args, **kwargs):
         b = self.choose(op_name, *args, **kwargs)
@@ -179,34 +207,46 @@ class OpRegistry:
 
     # ------------------------------------------------------------------ autotune
     @staticmethod
-    def shape_key(args, kwargs):
+    def shape_key(args, kwargs, strict=False):
+        """Hashable description of a call's arguments: (shape, dtype, device, strides) per tensor,
+        plain values as they are.  ``strict``: None when an argument is anything else (other
+        objects are described by their type name only when not strict)."""
         import torch
+        opaque = []
 
         def sig(a):  # hashable torch objects as they are: no string formatting on every call
             if isinstance(a, torch.Tensor):
                 return (a.shape, a.dtype, a.device, a.stride())
-            if hasattr(a, "shape") and hasattr(a, "dtype"):
-                return (tuple(a.shape), str(a.dtype), str(getattr(a, "device", "")), tuple(a.stride()) if hasattr(a, "stride") else ())
-            if isinstance(a, (list, tuple)):
-                return tuple(sig(x) for x in a)
             if isinstance(a, (int, float, str, bool, type(None))):
                 return a
+            if isinstance(a, (list, tuple)):
+                return tuple(sig(x) for x in a)
+            if hasattr(a, "shape") and hasattr(a, "dtype"):
+                opaque.append(a)
+                return (tuple(a.shape), str(a.dtype), str(getattr(a, "device", "")), tuple(a.stride()) if hasattr(a, "stride") else ())
+            opaque.append(a)
             return type(a).__name__
-        return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
+        key = tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
+        return None if (strict and opaque) else key
 
-    def _tuned_choice(self, op: Op, cands, args, kwargs) -> Backend:
-        key = (op.name, tuple(b.name for b in cands), self.shape_key(args, kwargs))
+    def _tuned_choice(self, op: Op, cands, args, kwargs, sk=None):
+        """(backend, final) -- not final while a graph is captured (no timing there)."""
+        if sk is None:
+            sk = self.shape_key(args, kwargs)
+        key = (op.name, tuple(b.name for b in cands), sk)
         name = self._tuned.get(key)
         if name is None:
             import torch
             on_cuda = any(getattr(a, "is_cuda", False) for a in args)
-            if not on_cuda or torch.cuda.is_current_stream_capturing():
-                return cands[0]
+            if not on_cuda:
+                return cands[0], True
+            if torch.cuda.is_current_stream_capturing():
+                return cands[0], False
             times = {b.name: self._time(op, b, args, kwargs) for b in cands}
             name = min(times, key=times.get)
             self._tuned[key] = name
             self._note(op.name, name, "autotune: " + ", ".join(f"{k} {v*1e3:.1f}us" for k, v in times.items()))
-        return op.backends[name]
+        return op.backends[name], True
 
     @staticmethod
     def _time(op: Op, b: Backend, args, kwargs, reps: int = 10) -> float:

@@ -165,3 +165,38 @@ def test_launcher_grids_do_not_leak_between_launches():
         out = torch.zeros(4, dtype=torch.int64)
         la((n,), (32,), out)
         assert out.tolist() == [i + 1 for i in range(n)] + [0] * (4 - n), (n, out.tolist())
+
+
+def test_decisions_remembered_per_signature():
+    """A repeated signature skips the checks; a new shape, dtype or layout, a new backend, a new
+    policy and an argument the key cannot describe are decided afresh; a forced fallback is
+    counted on every call."""
+    r = OpRegistry()
+    r.register("double", lambda x, *rest, **kw: x * 2)
+    calls = []
+
+    def check(x, *rest, **kw):
+        calls.append(tuple(x.shape))
+        return None if x.dtype == torch.float32 else "fp32 only"
+    r.register_backend("double", "fast", lambda x, *rest, **kw: x + x, check=check)
+    x = torch.ones(3)
+    for _ in range(3):
+        assert torch.equal(r.call("double", x, 1e-6, out=None), 2 * x)
+    assert calls == [(3,)] and r.last["double"] == "fast" and r.usage[("double", "fast")] == 3
+    r.call("double", torch.ones(4))
+    r.call("double", torch.ones(4, 2).t())  # same numel, other layout
+    r.call("double", torch.ones(4).double())
+    assert calls == [(3,), (4,), (2, 4), (4,)] and r.last["double"] == "torch"
+    r.call("double", x, object())  # opaque argument: never remembered
+    r.call("double", x, object())
+    assert len(calls) == 6
+    r.register_backend("double", "other", lambda x, *rest, **kw: x * 2, check=lambda x, *a, **k: "no", priority=-5)
+    r.call("double", x)
+    assert len(calls) == 7
+    r.set_policy({"double": "fast"})
+    r.call("double", x)
+    assert len(calls) == 8
+    y = torch.ones(3, dtype=torch.float64)
+    for _ in range(3):  # forced and unavailable: checked and counted every time
+        r.call("double", y)
+    assert r.fallbacks[("double", "fast", "fp32 only")] == 3 and len(calls) == 11
