@@ -9,10 +9,25 @@ Safe only when nothing in the forward changes address or needs the host between 
 capturing; ComfyUI's host adapter adds its own: weights cast per call, ...); callers fall back to eager execution and log why.
 Weights patched *in place* (ComfyUI applies LoRA that way) keep their addresses, so replays see
 them; a change of weight storage (``data_ptr``) invalidates the graph and it is re-captured.
+
+Capture never invalidates the stream (which matters most under the cudaMallocAsync allocator,
+ComfyUI's default: there the frees that follow an invalidated capture raise inside a destructor
+and terminate the process):
+  * the last warm-up runs with torch's sync debug mode set to "error", so a forward that syncs the
+    host (``.item()``, a device-to-host copy, ``nonzero``) raises an ordinary exception before any
+    capture begins -- the caller then runs eagerly;
+  * the capture runs with the same mode (a sync raises before it reaches the driver: the capture
+    stays valid and is ended and dropped) and ``capture_error_mode="thread_local"`` (another
+    thread's CUDA calls, e.g. a server thread's, neither invalidate it nor fail);
+  * the allocator's benign "freeAsync() was called on an uncaptured allocation" (a tensor from
+    before the capture released inside it: torch defers that free) is not printed; graphs are
+    dropped through ``reset()`` under the same filter, as ComfyUI's own block graphs are.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -36,6 +51,25 @@ def graph_blockers(module: torch.nn.Module, device: torch.device) -> List[str]:
     return why
 
 
+@contextlib.contextmanager
+def no_host_syncs():
+    """torch raises on an operation that synchronizes the host with the device (sync debug mode
+    "error") while inside; the previous mode is restored on exit."""
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+def drop_graph(graph):
+    """Free a captured graph's memory now, quietly (see the module docstring)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph.reset()
+
+
 def _sig(x):
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), x.dtype, x.device)
@@ -55,13 +89,16 @@ class _Entry:
 class GraphedForward:
     """``gf(*tensors)`` runs ``fn(*tensors)`` through a CUDA graph captured for that signature.
 
+    The first ``warmup`` calls of a signature run ``fn`` eagerly (their results are returned: in a
+    sampler they are ordinary steps, no forward is wasted); the next one captures and replays.
     ``fn`` must take only tensors (positional) and return one tensor.  The returned tensor is a
     fresh copy (the static output buffer is reused by the next replay).
     """
 
     def __init__(self, fn: Callable, module: Optional[torch.nn.Module] = None, warmup: int = 2, max_graphs: int = 4):
-        self.fn, self.module, self.warmup, self.max_graphs = fn, module, warmup, max_graphs
+        self.fn, self.module, self.warmup, self.max_graphs = fn, module, max(1, warmup), max_graphs
         self.graphs: Dict[tuple, _Entry] = {}
+        self._seen: Dict[tuple, int] = {}  # eager warm-up calls made per signature
         self.pool = None
         self.captures = 0
         self.replays = 0
@@ -77,11 +114,19 @@ class GraphedForward:
         e = self.graphs.get(key)
         if e is not None and e.weights_key != wk:
             log.info("[flux_numba] weights moved since capture: re-capturing the CUDA graph")
-            self.graphs.pop(key)
+            drop_graph(self.graphs.pop(key).graph)
+            self._seen.pop(key, None)
             e = None
         if e is None:
+            n = self._seen.get(key, 0)
+            if n < self.warmup:  # warm-up calls are ordinary eager steps: their results are used
+                self._seen[key] = n + 1
+                # (JIT, autotune and allocator warm-up happen here; the last one proves the forward
+                # never syncs the host, or raises before any capture is attempted)
+                with no_host_syncs() if n + 1 == self.warmup else contextlib.nullcontext():
+                    return self.fn(*xs)
             if len(self.graphs) >= self.max_graphs:
-                self.graphs.pop(next(iter(self.graphs)))
+                drop_graph(self.graphs.pop(next(iter(self.graphs))).graph)
             e = self.graphs[key] = self._capture(xs, wk)
         for s, x in zip(e.static_in, xs):
             s.copy_(x)
@@ -92,18 +137,15 @@ class GraphedForward:
 
     def _capture(self, xs, wk) -> _Entry:
         static_in = [x.clone() for x in xs]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):  # JIT, autotune and allocator warm-up outside the capture
-                self.fn(*static_in)
-        torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         before = registry.usage.copy()
-        with torch.cuda.graph(g, pool=self.pool):
-            static_out = self.fn(*static_in)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the allocator's benign deferred-free note
+            with no_host_syncs():
+                with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                    static_out = self.fn(*static_in)
         usage = registry.usage.copy()
         usage.subtract(before)
         self.captures += 1

@@ -2,17 +2,19 @@
 
 Captured per input signature (latent/context shapes, dtypes) after a warm-up; replayed every
 step.  Only when it is safe -- otherwise the step runs eagerly and the reason is logged once:
-  * PyTorch's native caching allocator.  Not under cudaMallocAsync (ComfyUI's default allocator
-    on NVIDIA): there a tensor allocated before the capture and freed during it (the previous
-    step's cached SiLU(vec), a wrapper's cached tensors) is a ``freeAsync`` of an uncaptured
-    allocation, and an error during the capture leaves the allocator to throw from a destructor
-    (``free_impl``), which terminates the process;
+  * under either allocator, PyTorch's native one or cudaMallocAsync (ComfyUI's default on
+    NVIDIA).  Under cudaMallocAsync an invalidated capture is fatal (the frees that follow it raise
+    inside a destructor and terminate the process), so ``GraphedForward`` proves first that the
+    forward never syncs the host and captures with syncs turned into Python errors and
+    ``capture_error_mode="thread_local"`` (flux_core/graphs.py); tensors from before the capture
+    released inside it (the previous step's cached SiLU(vec)) are deferred frees, benign there;
   * this wrapper is the innermost diffusion-model wrapper: whatever a later wrapper does (EasyCache
     reads tensors on the host with ``.item()`` and keeps tensors across steps) would be recorded
     into the graph -- a host sync inside a capture invalidates it, and its per-step decisions
     would be frozen.  Wrappers outside this one (added before the patch) run outside the graph;
-  * every weight on the GPU and no per-call weight casting (DynamicVRAM, low-VRAM offload,
-    weight functions), no other node's block replacements;
+  * every weight on the GPU (no low-VRAM offload), no DynamicVRAM staging and no weight functions
+    (on-the-fly LoRA) -- plain per-call casts of resident weights (fp8 storage) are device work at
+    fixed addresses and are captured -- and no other node's block replacements;
   * no ControlNet, no reference latents (Kontext), no other per-step model patches,
   * not already capturing.
 Weights patched in place (LoRA) keep their addresses, so replays see them; if weights move
@@ -35,6 +37,7 @@ class GraphWrapper:
         self.gf = None
         self._logged = set()
         self.last_mode = None  # "graph" | "eager: <reason>"
+        self.failed = None  # why a capture failed: this model's steps stay eager (no retry per step)
 
     def _eager(self, why, executor, *args, **kwargs):
         if why not in self._logged:
@@ -56,7 +59,7 @@ class GraphWrapper:
         extra = {k for k, v in transformer_options.get("patches", {}).items() if v}
         if extra:
             return self._eager(f"other model patches present ({sorted(extra)})", executor, *args, **kwargs)
-        why = capture_problem(executor, transformer_options)
+        why = self.failed or capture_problem(executor, transformer_options)
         if why:
             return self._eager(why, executor, *args, **kwargs)
         from ..flux_core.graphs import GraphedForward
@@ -77,26 +80,16 @@ class GraphWrapper:
         self.gf.fn = fn
         try:
             out = self.gf(x, timestep, context, *[v for v in (y, guidance) if v is not None])
-        except Exception as e:  # capture failed: never break sampling
+        except Exception as e:  # capture failed: never break sampling; not retried for this model
             self.gf = None
-            return self._eager(f"capture failed ({type(e).__name__}: {e})", executor, *args, **kwargs)
+            self.failed = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
+            return self._eager(self.failed, executor, *args, **kwargs)
         self.last_mode = "graph"
         return out
 
 
-def allocator_backend() -> str:
-    try:
-        return torch.cuda.get_allocator_backend()
-    except Exception:
-        return "unknown"
-
-
 def capture_problem(executor, transformer_options):
     """Why capturing the rest of this call is unsafe (see the module docstring), or None."""
-    backend = allocator_backend()
-    if backend != "native":
-        return (f"allocator backend {backend} (ComfyUI's default cudaMallocAsync): capture is not "
-                "attempted there; --disable-cuda-malloc enables it")
     wrappers = getattr(executor, "wrappers", None)
     idx = getattr(executor, "idx", None)
     if wrappers is None or idx is None:

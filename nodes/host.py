@@ -363,12 +363,21 @@ def dynamic_vram(model_patcher) -> bool:
         return False
 
 
+def _freezes_per_call_work(m) -> bool:
+    """Per-call weight work of a ComfyUI op that a captured graph would freeze or that moves memory:
+    DynamicVRAM staging (comfy-aimdo vbar weights) and weight / bias functions (on-the-fly LoRA,
+    low-VRAM patches).  A plain cast of weights resident on the device (fp8 storage with ComfyUI's
+    manual_cast ops) is ordinary device work at fixed addresses and is captured like any op."""
+    return hasattr(m, "_v") or bool(getattr(m, "weight_function", None) or getattr(m, "bias_function", None))
+
+
 def graph_blockers(module: torch.nn.Module, device: torch.device):
-    """Reasons a whole-forward CUDA graph cannot be captured for this diffusion model now."""
+    """Reasons a whole-forward CUDA graph cannot be captured for this diffusion model now (weights
+    off the device -- low-VRAM offload -- are the generic check's)."""
     from ..flux_core.graphs import graph_blockers as generic
     why = generic(module, device)
-    cast = [n for n, m in module.named_modules() if _casts_per_call(m)]
+    cast = [n for n, m in module.named_modules() if _freezes_per_call_work(m)]
     if cast:
-        why.append(f"{len(cast)} layers cast their weights per call (DynamicVRAM / low-VRAM / weight "
-                   f"functions), e.g. {cast[0]}")
+        why.append(f"{len(cast)} layers stage or patch their weights per call (DynamicVRAM / weight "
+                   f"functions such as on-the-fly LoRA), e.g. {cast[0]}")
     return why

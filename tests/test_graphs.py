@@ -1,0 +1,97 @@
+"""Whole-forward CUDA graphs (flux_core/graphs.py) under both of torch's CUDA allocators.
+
+ComfyUI runs on cudaMallocAsync by default; there an invalidated capture terminates the process,
+so the capture must refuse a forward that syncs the host *before* the stream is invalidated.  Each
+allocator runs in its own process (the backend is fixed at process start): a clean forward with a
+Numba kernel replays equal to eager for new inputs; a forward that calls ``.item()`` raises a
+Python error from the capture and the process goes on (eager still works); a forward that frees a
+tensor allocated before the capture is captured (torch defers that free); the sync debug mode is
+restored after each.  GPU only (FLUX_NUMBA_REAL_GPU=1).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU = os.environ.get("FLUX_NUMBA_REAL_GPU") == "1" and torch.cuda.is_available()
+
+SCRIPT = r'''
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import _pack
+_pack.load()
+from flux_numba_pack.flux_core.graphs import GraphedForward
+from flux_numba_pack.cuda_kernels import registry
+print("backend", torch.cuda.get_allocator_backend())
+dev = "cuda"
+w = torch.randn(256, 256, device=dev, dtype=torch.bfloat16) * 0.05
+
+def clean(x):
+    h = registry.call("gelu_tanh", x @ w)  # a Numba kernel between two GEMMs
+    return h @ w + 1
+
+x0 = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)
+gf = GraphedForward(clean)  # warmup=2: two eager calls, then capture + replay
+for i in range(5):
+    x = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)
+    got, want = gf(x), clean(x)
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err < 1e-2, err
+    assert gf.captures == (1 if i >= 2 else 0), (i, gf.captures)
+assert gf.captures == 1 and gf.replays == 3, (gf.captures, gf.replays)
+print("clean ok", err)
+
+def syncs(x):
+    y = x @ w
+    if y.abs().max().item() > 1e9:  # a host sync every call
+        y = y * 0
+    return y
+
+gs = GraphedForward(syncs)
+gs(x0)  # the first warm-up call is unchecked (JIT and autotune may sync)
+try:
+    gs(x0)
+    raise SystemExit("a syncing forward passed the checked warm-up")
+except RuntimeError as e:
+    print("sync refused:", str(e).splitlines()[0][:100])
+assert gs.captures == 0
+assert not torch.cuda.is_current_stream_capturing()
+y = syncs(x0)  # eager still fine
+torch.cuda.synchronize()
+print("eager after refusal ok")
+
+held = [torch.randn(64, 256, device=dev, dtype=torch.bfloat16)]
+
+def frees_old(x):
+    old = held.pop() if held else None  # a tensor from before the capture, released inside it
+    out = x @ w
+    if old is not None:
+        out = out + 0 * old
+    held.append(out.detach())
+    return out
+
+gd = GraphedForward(frees_old)
+x = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)
+for _ in range(3):
+    got = gd(x)
+assert gd.captures == 1
+torch.cuda.synchronize()
+want = x @ w
+assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() < 1e-2
+print("deferred free ok")
+assert torch.cuda.get_sync_debug_mode() == 0
+print("ALL OK")
+'''
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (FLUX_NUMBA_REAL_GPU=1)")
+@pytest.mark.parametrize("backend", ["native", "cudaMallocAsync"])
+def test_capture_under_allocator(backend):
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=f"backend:{backend}")
+    r = subprocess.run([sys.executable, "-c", SCRIPT, ROOT], capture_output=True, text=True, timeout=300, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert f"backend {backend}" in out and "ALL OK" in out, out[-3000:]
