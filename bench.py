@@ -16,7 +16,9 @@ importable -- COMFYUI_PATH or .carry/ComfyUI -- else the pack's standalone model
   bf16-attn     as exact, bf16 Numba flash attention forced (wgmma kernel on Hopper)
   attn8         as exact, 8-bit Numba attention (called "fast" before 12-01)
   fast          the node's fast profile: exact's fusion with the block GEMMs in fp8 e4m3 (row-wise
-                scales, activations quantised by the kernels that write them; flux_core/fast.py)
+                scales, activations quantised by the kernels that write them; flux_core/fast.py),
+                bf16 weights quantised again every step (no second copy)
+  fast-cached   as fast, bf16 weights quantised once and kept (the fast-cached profile: +11.9 GB)
   ...+graph     the same forward captured once as a CUDA graph and replayed (no launch gaps)
 A variant that cannot run here (``stock`` without ComfyUI, ``+graph`` off a CUDA device or with
 offloaded weights) is skipped with a printed note and ``{"skipped": reason}`` in the JSON.
@@ -74,7 +76,7 @@ def parse():
     p.add_argument("--model", help="FLUX.1 .safetensors (default: random weights of --config)")
     p.add_argument("--config", default="flux1-dev", choices=["flux1-dev", "tiny"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--variants", default="stock,pack-torch,exact,exact+graph,exact-sdpa,attn8,attn8+graph,fast,fast+graph")
+    p.add_argument("--variants", default="stock,pack-torch,exact,exact+graph,exact-sdpa,attn8,attn8+graph,fast,fast+graph,fast-cached,fast-cached+graph")
     p.add_argument("--warmup", type=_int_at_least(0), default=2)
     p.add_argument("--reps", type=_int_at_least(1), default=5)
     p.add_argument("--weight-dtype", default="default", choices=["default", "fp8_e4m3fn"],
@@ -211,7 +213,7 @@ def main():
             rep[("single_block", i)] = fs
         return {"dit": rep}
 
-    fp8_weights = []  # the fast variant's fp8 weight cache, made once (one per process, like the node's per model)
+    fp8_weights = []  # fast-cached's fp8 weight cache, made once (one per process, like the node's per model)
 
     def forward_fn(variant):
         m = model
@@ -225,7 +227,7 @@ def main():
             return lambda xin=None, tin=None: gf(x if xin is None else xin, t if tin is None else tin)
         policy = {"stock": None, "pack-torch": {"*": "torch"}, "exact": {"*": "auto", "attention": "auto"},
                   "exact-sdpa": {"*": "auto", "attention": "torch"}, "attn8": {"*": "auto", "attention": "numba-8bit"},
-                  "fast": {"*": "auto", "attention": "auto"},
+                  "fast": {"*": "auto", "attention": "auto"}, "fast-cached": {"*": "auto", "attention": "auto"},
                   "bf16-attn": {"*": "auto", "attention": "numba"}}[variant]
         fused = variant not in ("stock", "pack-torch")
         bctx = BlockContext(fused=fused, gemm_epilogue=fused,
@@ -233,14 +235,17 @@ def main():
         if a.weight_dtype != "default":  # weights cast per call by ComfyUI's ops: get them the way the node does
             from flux_numba_pack.nodes.host import ComfyWeights
             bctx.host = ComfyWeights()
-        if variant == "fast":
+        if variant in ("fast", "fast-cached"):
             from flux_numba_pack.flux_core import fast as fast_mod
             why = fast_mod.support(dev)
             if why:
                 raise RuntimeError("fast profile: " + why)
-            if not fp8_weights:
-                fp8_weights.append(fast_mod.Fp8Weights())
-            bctx.fp8 = fp8_weights[0]
+            if variant == "fast":
+                bctx.fp8 = fast_mod.Fp8Weights(keep=False)
+            else:
+                if not fp8_weights:
+                    fp8_weights.append(fast_mod.Fp8Weights(keep=True))
+                bctx.fp8 = fp8_weights[0]
 
         def fn(xin=None, tin=None):
             xin = x if xin is None else xin

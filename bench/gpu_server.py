@@ -266,11 +266,16 @@ class GpuMem:
 
 
 def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
-    """API prompt for one case: stock | patched | patched_fast (profile fast) | easycache | lazycache |
-    stock_easycache | stock_lazycache."""
-    patched = case in ("patched", "patched_fast", "easycache", "lazycache")
+    """API prompt for one case: stock | patched | patched_fast (profile fast) | patched_fast_cached
+    (profile fast-cached) | easycache | lazycache | stock_easycache | stock_lazycache; a case ending in
+    ``_fp8`` loads the weights with UNETLoader's weight_dtype fp8_e4m3fn (stock_fp8, patched_fast_fp8)."""
+    fp8 = case.endswith("_fp8")
+    case = case[: -len("_fp8")] if fp8 else case
+    patched = case in ("patched", "patched_fast", "patched_fast_cached", "easycache", "lazycache")
+    profile = {"patched_fast": "fast", "patched_fast_cached": "fast-cached"}.get(case, "exact")
     g = {
-        "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
+        "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": unet,
+                                                        "weight_dtype": "fp8_e4m3fn" if fp8 else "default"}},
         "cond": {"class_type": "FluxNumbaBenchConditioning", "inputs": {"seed": 3, "tokens": 256,
                                                                         "context_dim": cond_dims[0], "pooled_dim": cond_dims[1]}},
         "lat": {"class_type": "EmptySD3LatentImage", "inputs": {"width": res, "height": res, "batch_size": 1}},
@@ -280,7 +285,7 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
     vae_ref = ["vae", 0]
     if patched:
         g["patch"] = {"class_type": "FluxNumbaPatch", "inputs": {
-            "model": model, "profile": "fast" if case == "patched_fast" else "exact", "route_norms": True, "attention": "auto", "backend": "auto",
+            "model": model, "profile": profile, "route_norms": True, "attention": "auto", "backend": "auto",
             "cuda_graph": "auto"}}
         model = ["patch", 0]
         g["vpatch"] = {"class_type": "FluxNumbaVAEPatch", "inputs": {"vae": vae_ref, "enabled": True, "backend": "auto"}}

@@ -16,19 +16,32 @@ Attention itself stays on the attention op (cuDNN-first SDPA by default; bf16 q/
 
 Weights: a Linear whose stored weight is fp8 e4m3 already (ComfyUI's fp8_e4m3fn weight dtype:
 ``BlockContext.host.linear_fp8``) is the GEMM's operand as it is (per-channel scale 1), no copy.
-Otherwise (``Fp8Weights``) each Linear's weight as the host hands it to the block (after LoRA and
-other weight patches: ``BlockContext.host.linear``) is quantised once per weight version --
-(host epoch, storage pointer, version counter, shape) -- to e4m3 with per-output-channel scales
-and cached; a new version (LoRA change, reload) re-quantises only that weight.  The cache holds an
-fp8 copy of bf16 block weights (11.9 GB for FLUX.1-dev) next to the host's.  A block whose Linears
-the host hands out neither way (scaled / quantized fp8 tensors, custom ops) runs the exact path
-(``BlockContext.fp8_block``).
+Otherwise the weight as the host hands it to the block (after LoRA and other weight patches:
+``BlockContext.host.linear``) is quantised to e4m3 with per-output-channel scales by
+``Fp8Weights``, in one of two ways:
+  * ``keep=False`` (profile ``fast``): on every call, by the ``quantize_fp8`` rows kernel (one row
+    per output channel), into a transient buffer -- no second copy of the weights on the GPU (peak
+    as stock's), at the cost of reading the bf16 weights once more per step (23.8 GB read + 11.9 GB
+    written for FLUX.1-dev: ~10 ms at the copy bandwidth);
+  * ``keep=True`` (profile ``fast-cached``): once per weight version -- (host epoch, storage pointer,
+    version counter, shape) -- and cached; a new version (LoRA change, reload) re-quantises only
+    that weight.  The cache holds an fp8 copy of bf16 block weights (11.9 GB for FLUX.1-dev) next
+    to the host's.
+A block whose Linears the host hands out neither way (scaled / quantized fp8 tensors, custom ops)
+runs the exact path (``BlockContext.fp8_block``).
 
-Hardware: row-wise scaled fp8 needs sm_90 with a torch whose ``_scaled_mm`` takes row-wise scales
-(``support``); elsewhere the caller runs the exact profile with a log line.
+GEMMs use cuBLASLt's fp8 fast accumulation (``FAST_ACCUM``; FLUX_NUMBA_FP8_FAST_ACCUM=0 turns it
+off): 4.6 ms/step less with the 28-step trajectory unchanged (44.4 dB either way, BENCHMARKS).
+
+Hardware (``scaling_mode``, probed once per device): row-wise scales in cuBLASLt's epilogue where
+torch's ``_scaled_mm`` takes them (sm_90); tensor-wise where only those exist (sm_89: the GEMM with
+unit scales, then the per-token and per-channel scales and the bias applied to its bf16 output --
+same quantisation, two more passes over the output); below sm_89 or without fp8 in torch the
+caller runs the exact profile with a log line.  FLUX_NUMBA_FP8_SCALING=row|tensor forces one (A/B).
 """
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Optional
 
@@ -42,33 +55,77 @@ from . import blocks as _b
 FP8 = fp8_format.FP8
 
 
+# "row" (per-token x per-channel scales in cuBLASLt's epilogue) or "tensor" (the GEMM with unit
+# tensor-wise scales, the row / channel scales applied to its bf16 output after); None: automatic
+SCALING = os.environ.get("FLUX_NUMBA_FP8_SCALING") or None
+_MODES = {}  # device -> "row" | "tensor" | reason string (probed once)
+
+
+def _probe(device, mode) -> bool:
+    a = torch.ones(16, 32, device=device).to(FP8)
+    b = torch.ones(16, 32, device=device).to(FP8)
+    one = torch.ones((), device=device)
+    try:
+        if mode == "row":
+            torch._scaled_mm(a, b.t(), scale_a=torch.ones(16, 1, device=device),
+                             scale_b=torch.ones(1, 16, device=device), out_dtype=torch.bfloat16)
+        else:
+            torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def scaling_mode(device) -> str:
+    """How this device's fp8 GEMMs take the scales: "row" where torch's ``_scaled_mm`` accepts
+    row-wise scales (sm_90 with torch >= 2.5), "tensor" where only tensor-wise scales exist (sm_89),
+    found by a tiny probe GEMM once per device; else the reason (a string of more than one word)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    m = _MODES.get(device)
+    if m is None:
+        if FP8 is None or not hasattr(torch, "_scaled_mm"):
+            m = f"torch {torch.__version__} has no float8_e4m3fn / _scaled_mm"
+        elif device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            cc = torch.cuda.get_device_capability(device)
+            m = f"sm_{cc[0]}{cc[1]} has no fp8 tensor cores (sm_89 or newer)"
+        elif device.type not in ("cuda", "cpu"):
+            m = f"device {device.type} has no fp8 GEMM path here"
+        elif SCALING in ("row", "tensor"):
+            m = SCALING if _probe(device, SCALING) else f"FLUX_NUMBA_FP8_SCALING={SCALING} does not run here"
+        elif _probe(device, "row"):
+            m = "row"
+        elif _probe(device, "tensor"):
+            m = "tensor"
+        else:
+            m = f"torch {torch.__version__} cannot run an fp8 _scaled_mm on {device}"
+        _MODES[device] = m
+    return m
+
+
 def support(device) -> Optional[str]:
     """None when the fast profile's fp8 GEMMs can run on ``device``, else the reason."""
-    if FP8 is None or not hasattr(torch, "_scaled_mm"):
-        return f"torch {torch.__version__} has no float8_e4m3fn / _scaled_mm"
-    device = torch.device(device)
-    if device.type == "cuda":
-        cc = torch.cuda.get_device_capability(device)
-        if cc < (9, 0):
-            return (f"sm_{cc[0]}{cc[1]}: row-wise scaled fp8 GEMMs need sm_90 (tensor-wise-only GPUs such as "
-                    "sm_89 are not supported yet)")
-        return None
-    if device.type == "cpu":
-        return None  # torch's CPU _scaled_mm: the tests' path (no speed)
-    return f"device {device.type} has no fp8 GEMM path here"
+    m = scaling_mode(device)
+    return None if m in ("row", "tensor") else m
 
 
 class Fp8Weights:
-    """fp8 e4m3 copies of Linear weights with per-output-channel scales, one per module, redone
-    when the weight the host hands out changes (``epoch``: the host's weight-patch identity, e.g.
+    """fp8 e4m3 Linear weights with per-output-channel scales (module docstring): made on every
+    call (``keep=False``) or once per weight version and cached (``keep=True``; redone when the
+    weight the host hands out changes -- ``epoch``: the host's weight-patch identity, e.g.
     ComfyUI's ``current_weight_patches_uuid``)."""
 
-    def __init__(self):
+    def __init__(self, keep: bool = True):
+        self.keep = keep
         self._cache = {}
         self._ones = {}
-        self.quantised = 0  # weights (re)quantised so far: a LoRA change touches only its weights
+        self.quantised = 0  # weights (re)quantised into the cache so far: a LoRA change touches only its weights
 
     def get(self, lin, w, b, epoch=None):
+        if not self.keep:  # transient: the quantising rows kernel, one row per output channel
+            q, s = registry.call("quantize_fp8", w.detach())
+            return q, s.view(1, -1), b
         key = (epoch, w.data_ptr(), tensor_version(w), tuple(w.shape), w.dtype, w.device)
         hit = self._cache.get(id(lin))
         if hit is not None and hit[0]() is lin and hit[1] == key:
@@ -88,22 +145,46 @@ class Fp8Weights:
         return t
 
 
+# cuBLASLt's fp8 "fast accumulation": FLUX step 93.6 -> 89.0 ms with graph replay, trajectory 44.4 dB
+# both ways (BENCHMARKS, session 7); FLUX_NUMBA_FP8_FAST_ACCUM=0 turns it off
+FAST_ACCUM = os.environ.get("FLUX_NUMBA_FP8_FAST_ACCUM", "1") != "0"
+
 _BIAS_IN_EPILOGUE = {}  # device type -> whether _scaled_mm takes a bf16 bias with row-wise scales here
 
 
 def scaled_mm(xq, xs, wq, ws, bias, out_dtype=torch.bfloat16):
     """``(xq * xs) @ (wq * ws)^T + bias`` -> [rows, N] in out_dtype, one cuBLASLt call (bias in the
-    epilogue where this torch allows it with row-wise scales, else one add)."""
+    epilogue where this torch allows it with row-wise scales, else one add).  On a tensor-wise-only
+    device (``scaling_mode``) the GEMM runs with unit scales and the row / channel scales and the
+    bias are applied to its output (two more passes over it)."""
     dt = xq.device.type
+    if scaling_mode(xq.device) == "tensor":
+        one = _unit(xq.device)
+        out = torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=out_dtype, use_fast_accum=FAST_ACCUM)
+        out.mul_(xs).mul_(ws)
+        if bias is not None:
+            out += bias
+        return out
     if bias is not None and _BIAS_IN_EPILOGUE.get(dt, True):
         try:
-            return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=out_dtype)
+            return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=out_dtype,
+                                    use_fast_accum=FAST_ACCUM)
         except RuntimeError:
             _BIAS_IN_EPILOGUE[dt] = False
-    out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype)
+    out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=FAST_ACCUM)
     if bias is not None:
         out += bias
     return out
+
+
+_UNIT = {}
+
+
+def _unit(device):
+    t = _UNIT.get(device)
+    if t is None:
+        t = _UNIT[device] = torch.ones((), device=device, dtype=torch.float32)
+    return t
 
 
 def _linear(lin, q, like, ctx):

@@ -46,7 +46,8 @@ from .host import (ComfyWeights, attention_override, block_problem, call_problem
 
 log = logging.getLogger("flux_numba")
 
-PROFILES = ["exact", "stock-order", "fast"]
+PROFILES = ["exact", "stock-order", "fast", "fast-cached"]
+FAST_PROFILES = ("fast", "fast-cached")
 ATTENTIONS = ["auto", "sdpa", "numba-bf16", "numba-8bit"]
 BACKENDS = ["auto", "torch", "numba"]
 CUDA_GRAPHS = ["auto", "off"]
@@ -76,6 +77,28 @@ def _pack():
     from ..flux_core import blocks
     from ..cuda_kernels import registry, runtime  # ``registry`` is the OpRegistry instance
     return blocks, registry, runtime
+
+
+def _fp8_stored(kind, blk) -> bool:
+    """Every block GEMM weight is stored in fp8 e4m3 (UNETLoader's fp8_e4m3fn weight dtype)."""
+    from ..flux_core import fast
+    try:
+        return fast.FP8 is not None and all(getattr(getattr(lin, "weight", None), "dtype", None) == fast.FP8
+                                            for lin in fast.block_linears(kind, blk))
+    except Exception:
+        return False
+
+
+def _graph_probe() -> bool:
+    """Inside the CUDA-graph wrapper's sync-checked warm-up or its capture (flux_core/graphs.py):
+    an error there is the graph wrapper's to handle (it runs the step eagerly and stops capturing)
+    -- not a reason to turn the fused path off for the model."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return torch.cuda.get_sync_debug_mode() == 2 or torch.cuda.is_current_stream_capturing()
+    except Exception:
+        return False
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -146,8 +169,8 @@ class _Runner:
         self.registry = registry
         self.opts = dict(options)
         self.model_ref = model_ref
-        self.fused = options["profile"] in ("exact", "fast")
-        self.fast = options["profile"] == "fast"
+        self.fused = options["profile"] in ("exact",) + FAST_PROFILES
+        self.fast = options["profile"] in FAST_PROFILES
         self._fp8 = {}  # device -> flux_core.fast.Fp8Weights, or None where fp8 cannot run (logged)
         self.policy, self.attn_route = self._policy(options, registry)
         self.block_ok = {}  # id(block) -> (weakref(block), reason or None, DynamicVRAM weights?)
@@ -194,7 +217,7 @@ class _Runner:
         if device not in self._fp8:
             from ..flux_core import fast
             why = fast.support(device)
-            self._fp8[device] = None if why else fast.Fp8Weights()
+            self._fp8[device] = None if why else fast.Fp8Weights(keep=self.opts["profile"] == "fast-cached")
             self.note(("fp8", device), logging.WARNING if why else logging.INFO, "profile fast on %s: %s", device,
                       f"{why}; running the exact profile" if why else "block GEMMs in fp8 e4m3 (row-wise scales)")
         return self._fp8[device]
@@ -288,7 +311,8 @@ class _Runner:
             return self.fallback(kind, index, "block module not found", args, extra)
         hit = self.block_ok.get(id(blk))
         if hit is None or hit[0]() is not blk:
-            hit = self.block_ok[id(blk)] = (weakref.ref(blk), block_problem(kind, blk), dynamic_block(blk))
+            hit = self.block_ok[id(blk)] = (weakref.ref(blk), block_problem(kind, blk), dynamic_block(blk),
+                                            self.fast and _fp8_stored(kind, blk))
         bad = hit[1] or call_problem(args, extra)
         if bad is None:
             bad = _input_problem(kind, blk, args)
@@ -305,7 +329,16 @@ class _Runner:
                                        gemm_epilogue=self.fused and self.opts["backend"] == "auto" and self.opts["route_norms"],
                                        host=weights, quant8=self.policy.get(ATTENTION_OP) == "numba-8bit")
         if self.fast:
-            ctx.fp8 = self.fp8_cache(img.device)
+            fp8 = self.fp8_cache(img.device)
+            if fp8 is not None and not fp8.keep and hit[2] and not hit[3]:
+                # DynamicVRAM + bf16 weights + per-step quantisation: measured slower than stock
+                # (v0.33 server, session 7: 5.75-5.93 s vs stock 5.18; exact 4.03, fast-cached 3.71-4.33)
+                self.note(("fast-dynamic", kind), logging.WARNING,
+                          "profile fast: %s blocks have bf16 DynamicVRAM weights; quantising them again every "
+                          "step measured slower than stock there, so these blocks run the exact profile "
+                          "(fast-cached, or weights stored in fp8_e4m3fn, keep fp8 GEMMs)", kind)
+                fp8 = None
+            ctx.fp8 = fp8
             ctx.fp8_epoch = weight_epoch(self.model_ref() if self.model_ref is not None else None)
         policy = self.policy
         choice = self.attn_choice.get(sig)
@@ -325,8 +358,8 @@ class _Runner:
                     else:
                         out = {"img": self.blocks.single_block(blk, img, vec, pe, mask, ctx)}
             except Exception as e:
-                if _is_oom(e):
-                    raise
+                if _is_oom(e) or _graph_probe():
+                    raise  # a CUDA-graph warm-up or capture: the graph wrapper runs the step eagerly
                 why = f"raised {type(e).__name__}: {e}"
                 if backup is not None:
                     img.copy_(backup[0])
@@ -365,7 +398,7 @@ def warm_kernels(unique_id, opts) -> dict:
     want_attn = {"numba-bf16": {"numba"}, "numba-8bit": {"numba-8bit"}}.get(
         opts["attention"], {"numba"} if opts["backend"] == "numba" and opts["attention"] != "sdpa" else set())
     fp8 = False
-    if opts["profile"] == "fast":
+    if opts["profile"] in FAST_PROFILES:
         from ..flux_core import fast
         fp8 = fast.support("cuda") is None  # elsewhere the fast profile runs exact (logged at the first step)
     calls = [c for c in warmup.warm_calls("cuda")
@@ -412,9 +445,12 @@ class FluxNumbaPatch:
             "profile": (PROFILES, {"default": "exact", "tooltip":
                                    "exact: fused ops with bf16-exact math. stock-order: the pack's blocks in "
                                    "ComfyUI's op order (no fusion), for A/B. fast: exact's fusion with the block "
-                                   "GEMMs in fp8 e4m3 (per-token / per-channel scales; sm_90 only, else exact). "
-                                   "Costs an fp8 copy of the block weights on the GPU (~12 GB for FLUX.1-dev) "
-                                   "made on first use, and a small quality loss."}),
+                                   "GEMMs in fp8 e4m3 (per-token / per-channel scales; sm_89 or newer, else exact), "
+                                   "a small quality loss; fp8-stored weights (weight_dtype fp8_e4m3fn) are used "
+                                   "as they are, bf16 weights are quantised again every step (no extra memory). "
+                                   "fast-cached: as fast, bf16 weights quantised once and kept -- ~10 ms/step "
+                                   "faster, costs an fp8 copy of the block weights on the GPU (~12 GB for "
+                                   "FLUX.1-dev)."}),
             "route_norms": ("BOOLEAN", {"default": True, "label_on": "on", "label_off": "off", "tooltip":
                                         "Route LayerNorm/modulate, q/k RMSNorm+RoPE, GELU and gated residuals "
                                         "through the pack's kernels (off: torch for those)."}),

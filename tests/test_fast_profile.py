@@ -42,6 +42,51 @@ def test_fast_forward_close_to_exact_and_every_gemm_in_fp8(monkeypatch):
     assert w.quantised == n and len(calls) == 2 * n  # and cached
 
 
+def test_per_step_weights_equal_cached_and_hold_nothing(monkeypatch):
+    """keep=False (profile fast): the weights are quantised on every call by the quantize_fp8 op
+    (one row per output channel) -- the same operands as the cache's, nothing kept."""
+    m = FluxModel.from_state_dict(tiny_state_dict(seed=5))
+    inp = inputs(m.cfg, B=1, h=6, w=8, Lt=5)
+    cached = _run(m, inp, fast.Fp8Weights(keep=True))
+    ops = []
+    real = registry.call
+    monkeypatch.setattr(registry, "call", lambda name, *a, **k: ops.append(name) or real(name, *a, **k))
+    w = fast.Fp8Weights(keep=False)
+    a = _run(m, inp, w)
+    n = ops.count("quantize_fp8")
+    b = _run(m, inp, w)
+    assert torch.equal(a, cached) and torch.equal(a, b)
+    per_double_weights = 8 + 2  # + the attention outputs' quantize_fp8 (img, txt)
+    assert n == m.cfg.depth * per_double_weights + m.cfg.depth_single_blocks * 2
+    assert ops.count("quantize_fp8") == 2 * n and w.quantised == 0 and not w._cache
+
+
+def test_tensor_wise_scaling_matches_row_wise(monkeypatch):
+    """sm_89's path (tensor-wise scales only): unit-scale GEMM, then the row / channel scales and the
+    bias on its output -- the same result as row-wise scales in the epilogue, to bf16 rounding."""
+    if not fast._probe(torch.device("cpu"), "tensor"):
+        pytest.skip("this torch's CPU _scaled_mm takes no tensor-wise scales")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=g).bfloat16()
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    b = torch.randn(48, generator=g).bfloat16()
+    xq, xs = registry.call("quantize_fp8", x)
+    wq, ws = registry.call("quantize_fp8", w)
+    monkeypatch.setitem(fast._MODES, torch.device("cpu"), "row")
+    row = fast.scaled_mm(xq, xs, wq, ws.view(1, -1), b)
+    monkeypatch.setitem(fast._MODES, torch.device("cpu"), "tensor")
+    ten = fast.scaled_mm(xq, xs, wq, ws.view(1, -1), b)
+    ref = (xq.float() * xs) @ (wq.float() * ws).t() + b.float()
+    for got in (row, ten):
+        assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
+    m = FluxModel.from_state_dict(tiny_state_dict(seed=6))
+    inp = inputs(m.cfg, B=1)
+    a = _run(m, inp, fast.Fp8Weights())
+    monkeypatch.setitem(fast._MODES, torch.device("cpu"), "row")
+    c = _run(m, inp, fast.Fp8Weights())
+    assert ((a - c).norm() / c.norm()).item() < 2e-2
+
+
 def test_changed_weight_requantised_alone():
     m = FluxModel.from_state_dict(tiny_state_dict(seed=4))
     inp = inputs(m.cfg, B=1)

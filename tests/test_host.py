@@ -453,10 +453,12 @@ def test_attention_override_goes_through_comfy(comfy, caplog):
 
 
 # ----------------------------------------------------------------------------- fast profile
-def test_fast_profile_runs_fp8_and_follows_lora(comfy, monkeypatch):
-    """profile fast in ComfyUI's sampler: every block GEMM goes through fp8 (no fallback), the result
-    stays within fp8 error of stock, and a LoRA applied after the patch changes the fast output as
-    it changes stock's (the fp8 weights are made from what ComfyUI's patcher hands the block)."""
+@pytest.mark.parametrize("profile", ["fast", "fast-cached"])
+def test_fast_profile_runs_fp8_and_follows_lora(comfy, monkeypatch, profile):
+    """profiles fast / fast-cached in ComfyUI's sampler: every block GEMM goes through fp8 (no
+    fallback), the result stays within fp8 error of stock, and a LoRA applied after the patch changes
+    the fast output as it changes stock's (the fp8 weights are made from what ComfyUI's patcher hands
+    the block: every step, or cached per weight version and ComfyUI's patch epoch)."""
     from flux_numba_pack.flux_core import fast
     if fast.support("cpu"):
         pytest.skip(fast.support("cpu"))
@@ -466,7 +468,7 @@ def test_fast_profile_runs_fp8_and_follows_lora(comfy, monkeypatch):
     mp = tiny_patcher(comfy, torch.float32)
     latent = torch.zeros(1, 16, 8, 8)
     stock = _sample(mp, latent)
-    pm, = Patch().patch(mp, backend="torch", profile="fast")
+    pm, = Patch().patch(mp, backend="torch", profile=profile)
     got = _sample(pm, latent)
     st = patch_stats(pm)
     assert st["fallbacks"] == 0 and not st.get("off") and n_mm, st
@@ -515,3 +517,44 @@ def test_fast_profile_uses_fp8_stored_weights_as_they_are(comfy, monkeypatch):
     stored = {p.data_ptr() for p in mp.model.diffusion_model.parameters() if p.dtype == torch.float8_e4m3fn}
     assert all(w.dtype == torch.float8_e4m3fn and w.data_ptr() in stored for w in operands)
     assert rel_err(got, stock) < 0.1, rel_err(got, stock)
+
+
+def test_graph_blockers_allow_resident_casts_only(comfy):
+    """fp8-stored weights (manual_cast ops, cast per call from resident weights) do not block a CUDA
+    graph; a weight function (on-the-fly LoRA / low-VRAM patch) does."""
+    from flux_numba_pack.nodes import host
+    mp = _fp8_stored_patcher(comfy)
+    dm = mp.model.diffusion_model
+    lins = [m for m in dm.modules() if isinstance(m, torch.nn.Linear)]
+    assert lins and all(getattr(m, "comfy_cast_weights", False) for m in lins)
+    assert not any(host._freezes_per_call_work(m) for m in dm.modules())
+    lins[0].weight_function = [lambda w: w]
+    assert host._freezes_per_call_work(lins[0])
+    why = host.graph_blockers(dm, torch.device("cpu"))
+    assert any("stage or patch their weights per call" in w for w in why), why
+
+
+def test_fast_on_dynamic_bf16_blocks_runs_exact(comfy, monkeypatch, caplog):
+    """profile fast (per-step weight quantisation) on blocks with bf16 DynamicVRAM weights runs the
+    exact path with one warning (measured slower than stock on v0.33); fast-cached keeps fp8 there."""
+    from flux_numba_pack.flux_core import fast
+    if fast.support("cpu"):
+        pytest.skip(fast.support("cpu"))
+    mp = tiny_patcher(comfy, torch.float32)
+    for blk in list(mp.model.diffusion_model.double_blocks) + list(mp.model.diffusion_model.single_blocks):
+        blk._v = object()  # what comfy-aimdo's vbar staging leaves on a DynamicVRAM module (host.dynamic_block)
+    n_mm = []
+    real = fast.scaled_mm
+    monkeypatch.setattr(fast, "scaled_mm", lambda *a, **k: n_mm.append(1) or real(*a, **k))
+    latent = torch.zeros(1, 16, 8, 8)
+    stock = _sample(mp, latent)
+    with caplog.at_level(logging.WARNING, logger="flux_numba"):
+        pm, = Patch().patch(mp, backend="torch", profile="fast")
+        got = _sample(pm, latent)
+    st = patch_stats(pm)
+    assert st["fallbacks"] == 0 and not st.get("off") and not n_mm, st
+    assert rel_err(got, stock) < 1e-4  # the exact path
+    assert "DynamicVRAM weights" in caplog.text
+    pc, = Patch().patch(mp, backend="torch", profile="fast-cached")
+    _sample(pc, latent)
+    assert n_mm

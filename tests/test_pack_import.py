@@ -106,7 +106,7 @@ def test_patch_schema_and_options():
     from flux_numba_pack.nodes.patch import FluxNumbaPatch, ATTENTIONS, BACKENDS, PROFILES, CUDA_GRAPHS
     req = FluxNumbaPatch.INPUT_TYPES()["required"]
     assert req["model"][0] == "MODEL"
-    assert req["profile"][0] == PROFILES == ["exact", "stock-order", "fast"]  # appended: saved workflows keep their values
+    assert req["profile"][0] == PROFILES == ["exact", "stock-order", "fast", "fast-cached"]  # appended: saved workflows keep their values
     assert req["attention"][0] == ATTENTIONS == ["auto", "sdpa", "numba-bf16", "numba-8bit"]
     assert req["backend"][0] == BACKENDS == ["auto", "torch", "numba"]
     assert req["route_norms"][0] == "BOOLEAN"
