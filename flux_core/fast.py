@@ -34,10 +34,12 @@ GEMMs use cuBLASLt's fp8 fast accumulation (``FAST_ACCUM``; FLUX_NUMBA_FP8_FAST_
 off): 4.6 ms/step less with the 28-step trajectory unchanged (44.4 dB either way, BENCHMARKS).
 
 Hardware (``scaling_mode``, probed once per device): row-wise scales in cuBLASLt's epilogue where
-torch's ``_scaled_mm`` takes them (sm_90); tensor-wise where only those exist (sm_89: the GEMM with
-unit scales, then the per-token and per-channel scales and the bias applied to its bf16 output --
-same quantisation, two more passes over the output); below sm_89 or without fp8 in torch the
-caller runs the exact profile with a log line.  FLUX_NUMBA_FP8_SCALING=row|tensor forces one (A/B).
+torch's ``_scaled_mm`` takes them (sm_90).  Where only tensor-wise scales exist (sm_89) a
+tensor-wise path exists -- the GEMM with unit scales, then the per-token and per-channel scales
+and the bias applied to its bf16 output (same quantisation, three more passes over every GEMM
+output) -- but it is opt-in (FLUX_NUMBA_FP8_SCALING=tensor): forced on an H200 it measured 154 ms
+per step against row-wise 88 and exact 124, so by default such a GPU runs the exact profile with a
+log line naming the knob, as GPUs below sm_89 and torch builds without fp8 do.
 """
 from __future__ import annotations
 
@@ -78,8 +80,9 @@ def _probe(device, mode) -> bool:
 
 def scaling_mode(device) -> str:
     """How this device's fp8 GEMMs take the scales: "row" where torch's ``_scaled_mm`` accepts
-    row-wise scales (sm_90 with torch >= 2.5), "tensor" where only tensor-wise scales exist (sm_89),
-    found by a tiny probe GEMM once per device; else the reason (a string of more than one word)."""
+    row-wise scales (sm_90 with torch >= 2.5), found by a tiny probe GEMM once per device; "tensor"
+    only when FLUX_NUMBA_FP8_SCALING=tensor asks for it (and tensor-wise GEMMs run); else the reason
+    (a string of more than one word) -- on a tensor-wise-only GPU (sm_89) that reason names the knob."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -96,8 +99,10 @@ def scaling_mode(device) -> str:
             m = SCALING if _probe(device, SCALING) else f"FLUX_NUMBA_FP8_SCALING={SCALING} does not run here"
         elif _probe(device, "row"):
             m = "row"
-        elif _probe(device, "tensor"):
-            m = "tensor"
+        elif _probe(device, "tensor"):  # opt-in only: see the module docstring
+            m = ("only tensor-wise fp8 scales here: the fast profile's tensor-wise path rescales every GEMM "
+                 "output in extra passes (+60 ms/step on an H200, likely slower than exact here); "
+                 "FLUX_NUMBA_FP8_SCALING=tensor turns it on")
         else:
             m = f"torch {torch.__version__} cannot run an fp8 _scaled_mm on {device}"
         _MODES[device] = m

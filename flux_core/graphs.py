@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -51,15 +52,26 @@ def graph_blockers(module: torch.nn.Module, device: torch.device) -> List[str]:
     return why
 
 
+_probe = threading.local()
+
+
+def in_probe() -> bool:
+    """True inside this thread's sync-checked warm-up or capture (``no_host_syncs``): an error
+    raised there belongs to the graph wrapper (it runs the step eagerly), not to a block fallback."""
+    return getattr(_probe, "depth", 0) > 0
+
+
 @contextlib.contextmanager
 def no_host_syncs():
     """torch raises on an operation that synchronizes the host with the device (sync debug mode
     "error") while inside; the previous mode is restored on exit."""
     prev = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
+    _probe.depth = getattr(_probe, "depth", 0) + 1
     try:
         yield
     finally:
+        _probe.depth -= 1
         torch.cuda.set_sync_debug_mode(prev)
 
 

@@ -93,10 +93,9 @@ def _graph_probe() -> bool:
     """Inside the CUDA-graph wrapper's sync-checked warm-up or its capture (flux_core/graphs.py):
     an error there is the graph wrapper's to handle (it runs the step eagerly and stops capturing)
     -- not a reason to turn the fused path off for the model."""
-    if not torch.cuda.is_available():
-        return False
     try:
-        return torch.cuda.get_sync_debug_mode() == 2 or torch.cuda.is_current_stream_capturing()
+        from ..flux_core.graphs import in_probe
+        return in_probe() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
     except Exception:
         return False
 

@@ -87,6 +87,19 @@ def test_tensor_wise_scaling_matches_row_wise(monkeypatch):
     assert ((a - c).norm() / c.norm()).item() < 2e-2
 
 
+def test_tensor_wise_only_device_runs_exact_unless_asked(monkeypatch):
+    """A GPU whose _scaled_mm takes no row-wise scales gets a reason (the exact profile runs) that
+    names the opt-in knob; with FLUX_NUMBA_FP8_SCALING=tensor it gets the tensor-wise path."""
+    dev = torch.device("cpu")
+    monkeypatch.setattr(fast, "_probe", lambda d, mode: mode == "tensor")
+    monkeypatch.setattr(fast, "_MODES", {})
+    why = fast.support(dev)
+    assert why and "FLUX_NUMBA_FP8_SCALING=tensor" in why
+    monkeypatch.setattr(fast, "_MODES", {})
+    monkeypatch.setattr(fast, "SCALING", "tensor")
+    assert fast.support(dev) is None and fast.scaling_mode(dev) == "tensor"
+
+
 def test_changed_weight_requantised_alone():
     m = FluxModel.from_state_dict(tiny_state_dict(seed=4))
     inp = inputs(m.cfg, B=1)
