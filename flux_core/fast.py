@@ -33,13 +33,12 @@ runs the exact path (``BlockContext.fp8_block``).
 GEMMs use cuBLASLt's fp8 fast accumulation (``FAST_ACCUM``; FLUX_NUMBA_FP8_FAST_ACCUM=0 turns it
 off): 4.6 ms/step less with the 28-step trajectory unchanged (44.4 dB either way, BENCHMARKS).
 
-Hardware (``scaling_mode``, probed once per device): row-wise scales in cuBLASLt's epilogue where
-torch's ``_scaled_mm`` takes them (sm_90).  Where only tensor-wise scales exist (sm_89) a
-tensor-wise path exists -- the GEMM with unit scales, then the per-token and per-channel scales
-and the bias applied to its bf16 output (same quantisation, three more passes over every GEMM
-output) -- but it is opt-in (FLUX_NUMBA_FP8_SCALING=tensor): forced on an H200 it measured 154 ms
-per step against row-wise 88 and exact 124, so by default such a GPU runs the exact profile with a
-log line naming the knob, as GPUs below sm_89 and torch builds without fp8 do.
+Hardware (``support``, a probe GEMM once per device): row-wise scales in cuBLASLt's epilogue where
+torch's ``_scaled_mm`` takes them (sm_90).  A GPU with tensor-wise scales only (sm_89), one below
+sm_89 and a torch without fp8 run the exact profile with a log line.  (A tensor-wise path -- unit
+scales, then the row / channel scales and bias applied to the output in three more passes -- was
+built and measured: 154 ms/step forced on the H200 against row-wise 88 and exact 124; retired, tag
+``fp8-tensorwise-v1``.  An sm_89 path would need those scales fused into the output's consumers.)
 """
 from __future__ import annotations
 
@@ -57,62 +56,43 @@ from . import blocks as _b
 FP8 = fp8_format.FP8
 
 
-# "row" (per-token x per-channel scales in cuBLASLt's epilogue) or "tensor" (the GEMM with unit
-# tensor-wise scales, the row / channel scales applied to its bf16 output after); None: automatic
-SCALING = os.environ.get("FLUX_NUMBA_FP8_SCALING") or None
-_MODES = {}  # device -> "row" | "tensor" | reason string (probed once)
+_MODES = {}  # device -> None (row-wise fp8 GEMMs run) | reason string (probed once)
 
 
-def _probe(device, mode) -> bool:
+def _probe_row(device) -> bool:
+    """A tiny row-wise scaled fp8 GEMM runs on ``device`` (torch's ``_scaled_mm`` with [M, 1] / [1, N]
+    fp32 scales: sm_90 in CUDA builds, and torch's CPU path)."""
     a = torch.ones(16, 32, device=device).to(FP8)
-    b = torch.ones(16, 32, device=device).to(FP8)
-    one = torch.ones((), device=device)
     try:
-        if mode == "row":
-            torch._scaled_mm(a, b.t(), scale_a=torch.ones(16, 1, device=device),
-                             scale_b=torch.ones(1, 16, device=device), out_dtype=torch.bfloat16)
-        else:
-            torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=device),
+                         scale_b=torch.ones(1, 16, device=device), out_dtype=torch.bfloat16)
         return True
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
 
-def scaling_mode(device) -> str:
-    """How this device's fp8 GEMMs take the scales: "row" where torch's ``_scaled_mm`` accepts
-    row-wise scales (sm_90 with torch >= 2.5), found by a tiny probe GEMM once per device; "tensor"
-    only when FLUX_NUMBA_FP8_SCALING=tensor asks for it (and tensor-wise GEMMs run); else the reason
-    (a string of more than one word) -- on a tensor-wise-only GPU (sm_89) that reason names the knob."""
+def support(device) -> Optional[str]:
+    """None when the fast profile's row-wise fp8 GEMMs run on ``device`` (a tiny probe GEMM, once per
+    device), else the reason (the caller runs the exact profile with a log line)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    m = _MODES.get(device)
-    if m is None:
-        if FP8 is None or not hasattr(torch, "_scaled_mm"):
-            m = f"torch {torch.__version__} has no float8_e4m3fn / _scaled_mm"
-        elif device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            cc = torch.cuda.get_device_capability(device)
-            m = f"sm_{cc[0]}{cc[1]} has no fp8 tensor cores (sm_89 or newer)"
-        elif device.type not in ("cuda", "cpu"):
-            m = f"device {device.type} has no fp8 GEMM path here"
-        elif SCALING in ("row", "tensor"):
-            m = SCALING if _probe(device, SCALING) else f"FLUX_NUMBA_FP8_SCALING={SCALING} does not run here"
-        elif _probe(device, "row"):
-            m = "row"
-        elif _probe(device, "tensor"):  # opt-in only: see the module docstring
-            m = ("only tensor-wise fp8 scales here: the fast profile's tensor-wise path rescales every GEMM "
-                 "output in extra passes (+60 ms/step on an H200, likely slower than exact here); "
-                 "FLUX_NUMBA_FP8_SCALING=tensor turns it on")
-        else:
-            m = f"torch {torch.__version__} cannot run an fp8 _scaled_mm on {device}"
-        _MODES[device] = m
-    return m
-
-
-def support(device) -> Optional[str]:
-    """None when the fast profile's fp8 GEMMs can run on ``device``, else the reason."""
-    m = scaling_mode(device)
-    return None if m in ("row", "tensor") else m
+    if device in _MODES:
+        return _MODES[device]
+    if FP8 is None or not hasattr(torch, "_scaled_mm"):
+        why = f"torch {torch.__version__} has no float8_e4m3fn / _scaled_mm"
+    elif device.type not in ("cuda", "cpu"):
+        why = f"device {device.type} has no fp8 GEMM path here"
+    elif device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        cc = torch.cuda.get_device_capability(device)
+        why = f"sm_{cc[0]}{cc[1]} has no fp8 tensor cores (sm_89 or newer)"
+    elif _probe_row(device):
+        why = None
+    else:  # sm_89: tensor-wise scales only (a tensor-wise path lost on the H200: BENCHMARKS, tag fp8-tensorwise-v1)
+        why = (f"torch's _scaled_mm takes no row-wise scales on {device} (tensor-wise only, e.g. sm_89); "
+               "the fast profile needs them")
+    _MODES[device] = why
+    return why
 
 
 class Fp8Weights:
@@ -159,17 +139,8 @@ _BIAS_IN_EPILOGUE = {}  # device type -> whether _scaled_mm takes a bf16 bias wi
 
 def scaled_mm(xq, xs, wq, ws, bias, out_dtype=torch.bfloat16):
     """``(xq * xs) @ (wq * ws)^T + bias`` -> [rows, N] in out_dtype, one cuBLASLt call (bias in the
-    epilogue where this torch allows it with row-wise scales, else one add).  On a tensor-wise-only
-    device (``scaling_mode``) the GEMM runs with unit scales and the row / channel scales and the
-    bias are applied to its output (two more passes over it)."""
+    epilogue where this torch allows it with row-wise scales, else one add)."""
     dt = xq.device.type
-    if scaling_mode(xq.device) == "tensor":
-        one = _unit(xq.device)
-        out = torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=out_dtype, use_fast_accum=FAST_ACCUM)
-        out.mul_(xs).mul_(ws)
-        if bias is not None:
-            out += bias
-        return out
     if bias is not None and _BIAS_IN_EPILOGUE.get(dt, True):
         try:
             return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=out_dtype,
@@ -180,16 +151,6 @@ def scaled_mm(xq, xs, wq, ws, bias, out_dtype=torch.bfloat16):
     if bias is not None:
         out += bias
     return out
-
-
-_UNIT = {}
-
-
-def _unit(device):
-    t = _UNIT.get(device)
-    if t is None:
-        t = _UNIT[device] = torch.ones((), device=device, dtype=torch.float32)
-    return t
 
 
 def _linear(lin, q, like, ctx):

@@ -61,43 +61,15 @@ def test_per_step_weights_equal_cached_and_hold_nothing(monkeypatch):
     assert ops.count("quantize_fp8") == 2 * n and w.quantised == 0 and not w._cache
 
 
-def test_tensor_wise_scaling_matches_row_wise(monkeypatch):
-    """sm_89's path (tensor-wise scales only): unit-scale GEMM, then the row / channel scales and the
-    bias on its output -- the same result as row-wise scales in the epilogue, to bf16 rounding."""
-    if not fast._probe(torch.device("cpu"), "tensor"):
-        pytest.skip("this torch's CPU _scaled_mm takes no tensor-wise scales")
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(37, 64, generator=g).bfloat16()
-    w = torch.randn(48, 64, generator=g).bfloat16()
-    b = torch.randn(48, generator=g).bfloat16()
-    xq, xs = registry.call("quantize_fp8", x)
-    wq, ws = registry.call("quantize_fp8", w)
-    monkeypatch.setitem(fast._MODES, torch.device("cpu"), "row")
-    row = fast.scaled_mm(xq, xs, wq, ws.view(1, -1), b)
-    monkeypatch.setitem(fast._MODES, torch.device("cpu"), "tensor")
-    ten = fast.scaled_mm(xq, xs, wq, ws.view(1, -1), b)
-    ref = (xq.float() * xs) @ (wq.float() * ws).t() + b.float()
-    for got in (row, ten):
-        assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
-    m = FluxModel.from_state_dict(tiny_state_dict(seed=6))
-    inp = inputs(m.cfg, B=1)
-    a = _run(m, inp, fast.Fp8Weights())
-    monkeypatch.setitem(fast._MODES, torch.device("cpu"), "row")
-    c = _run(m, inp, fast.Fp8Weights())
-    assert ((a - c).norm() / c.norm()).item() < 2e-2
-
-
-def test_tensor_wise_only_device_runs_exact_unless_asked(monkeypatch):
-    """A GPU whose _scaled_mm takes no row-wise scales gets a reason (the exact profile runs) that
-    names the opt-in knob; with FLUX_NUMBA_FP8_SCALING=tensor it gets the tensor-wise path."""
-    dev = torch.device("cpu")
-    monkeypatch.setattr(fast, "_probe", lambda d, mode: mode == "tensor")
+def test_no_row_wise_scales_means_exact(monkeypatch):
+    """A device whose _scaled_mm takes no row-wise scales (sm_89) gets a reason: the exact profile runs."""
+    monkeypatch.setattr(fast, "_probe_row", lambda d: False)
     monkeypatch.setattr(fast, "_MODES", {})
-    why = fast.support(dev)
-    assert why and "FLUX_NUMBA_FP8_SCALING=tensor" in why
+    why = fast.support("cpu")
+    assert why and "row-wise" in why
     monkeypatch.setattr(fast, "_MODES", {})
-    monkeypatch.setattr(fast, "SCALING", "tensor")
-    assert fast.support(dev) is None and fast.scaling_mode(dev) == "tensor"
+    monkeypatch.setattr(fast, "_probe_row", lambda d: True)
+    assert fast.support("cpu") is None
 
 
 def test_changed_weight_requantised_alone():
