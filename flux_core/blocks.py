@@ -62,8 +62,9 @@ class Weights:
         return plain_weights(lin, x) is not None
 
     def linear_fp8(self, lin, x):
-        """(weight e4m3 [N, K], bias in x's dtype) when the module stores its weight in fp8 e4m3
-        without a scale (the fast profile then uses it as it is), else None."""
+        """(weight e4m3 [N, K], bias in x's dtype, per-tensor weight scale or None) when the module
+        stores its weight in fp8 e4m3 -- unscaled, or with one fp32 scale for the whole tensor
+        (the fast profile then uses it as it is), else None."""
         return None
 
     def release(self):

@@ -14,8 +14,9 @@ Every activation quantisation happens in the Numba kernel that writes that GEMM'
   double proj input              ``quantize_fp8``                    (the attention output; cuDNN writes bf16)
 Attention itself stays on the attention op (cuDNN-first SDPA by default; bf16 q/k/v).
 
-Weights: a Linear whose stored weight is fp8 e4m3 already (ComfyUI's fp8_e4m3fn weight dtype:
-``BlockContext.host.linear_fp8``) is the GEMM's operand as it is (per-channel scale 1), no copy.
+Weights: a Linear whose stored weight is fp8 e4m3 already -- ComfyUI's fp8_e4m3fn weight dtype, or a
+scaled fp8 checkpoint (one fp32 scale per tensor) -- is the GEMM's operand as it is
+(``BlockContext.host.linear_fp8``; per-channel scales 1 or that scale), no copy.
 Otherwise the weight as the host hands it to the block (after LoRA and other weight patches:
 ``BlockContext.host.linear``) is quantised to e4m3 with per-output-channel scales by
 ``Fp8Weights``, in one of two ways:
@@ -27,8 +28,8 @@ Otherwise the weight as the host hands it to the block (after LoRA and other wei
     version counter, shape) -- and cached; a new version (LoRA change, reload) re-quantises only
     that weight.  The cache holds an fp8 copy of bf16 block weights (11.9 GB for FLUX.1-dev) next
     to the host's.
-A block whose Linears the host hands out neither way (scaled / quantized fp8 tensors, custom ops)
-runs the exact path (``BlockContext.fp8_block``).
+A block whose Linears the host hands out neither way (other quantized formats such as nvfp4, weight
+functions on quantized weights, custom ops) runs the exact path (``BlockContext.fp8_block``).
 
 GEMMs use cuBLASLt's fp8 fast accumulation (``FAST_ACCUM``; FLUX_NUMBA_FP8_FAST_ACCUM=0 turns it
 off): 4.6 ms/step less with the 28-step trajectory unchanged (44.4 dB either way, BENCHMARKS).
@@ -129,6 +130,12 @@ class Fp8Weights:
             t = self._ones[key] = torch.ones(1, N, device=device, dtype=torch.float32)
         return t
 
+    def stored_scales(self, N, device, scale=None):
+        """``scale_b`` [1, N] of fp8-stored weights: ones, or their one per-tensor scale repeated
+        (a scaled fp8 checkpoint; read at call time, so a re-quantised LoRA patch is seen)."""
+        ones = self.ones(N, device)
+        return ones if scale is None else ones * scale.to(device=device, dtype=torch.float32).reshape(1, 1)
+
 
 # cuBLASLt's fp8 "fast accumulation": FLUX step 93.6 -> 89.0 ms with graph replay, trajectory 44.4 dB
 # both ways (BENCHMARKS, session 7); FLUX_NUMBA_FP8_FAST_ACCUM=0 turns it off
@@ -157,8 +164,9 @@ def _linear(lin, q, like, ctx):
     """lin applied to the fp8 activation ``q`` = (values [rows, K], scales [rows, 1]) -> bf16
     [B, L, N] shaped like ``like`` [B, L, *]."""
     p8 = ctx.host.linear_fp8(lin, like)
-    if p8 is not None:  # fp8-stored weights: the GEMM's operand as they are
-        (wq, b), ws = p8, ctx.fp8.ones(p8[0].shape[0], p8[0].device)
+    if p8 is not None:  # fp8-stored weights (unscaled or per-tensor scaled): the GEMM's operand as they are
+        wq, b, scale = p8
+        ws = ctx.fp8.stored_scales(wq.shape[0], wq.device, scale)
     else:
         pw = ctx.host.linear(lin, like)
         if pw is None:

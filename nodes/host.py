@@ -83,6 +83,37 @@ def _plain_linear_op(lin) -> bool:
             and getattr(lin, "scale_weight", None) is None)
 
 
+_FP8_LAYOUTS = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout")  # comfy.quant_ops: per-tensor-scaled e4m3
+
+
+def _fp8_qdata(w):
+    """(fp8 e4m3 data [N, K], fp32 scale) of a per-tensor-scaled e4m3 ``QuantizedTensor`` (ComfyUI's
+    ``comfy.quant_ops`` layouts from comfy-kitchen: ``_qdata`` / ``_params.scale``, the names
+    ComfyUI's own mixed-precision ops read), else None (plain tensors, padded storage, other layouts)."""
+    q = getattr(w, "_qdata", None)
+    params = getattr(w, "_params", None)
+    scale = getattr(params, "scale", None)
+    if not isinstance(q, torch.Tensor) or not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        return None
+    if getattr(w, "_layout_cls", None) not in _FP8_LAYOUTS or q.dtype != getattr(torch, "float8_e4m3fn", None):
+        return None
+    if q.ndim != 2 or tuple(q.shape) != tuple(w.shape):
+        return None
+    return q, scale
+
+
+def _scaled_fp8_linear(lin) -> bool:
+    """ComfyUI's mixed-precision Linear (scaled fp8 checkpoints: ``comfy.ops.mixed_precision_ops``)
+    whose weight is a per-tensor-scaled e4m3 QuantizedTensor, unless the checkpoint asks for this
+    layer's matmul in full precision (``full_precision_matrix_mult``).  (ComfyUI also runs the
+    dequantized matmul where it finds no fp8 compute; whether fp8 GEMMs run here is the fast
+    profile's own check, ``flux_core.fast.support``.)"""
+    w = getattr(lin, "weight", None)
+    if w is None or getattr(lin, "_full_precision_mm_config", False) or getattr(lin, "quant_format", None) != "float8_e4m3fn":
+        return False
+    return _fp8_qdata(w) is not None
+
+
 @contextlib.contextmanager
 def op_weights(m, like):
     """``(weight, bias)`` of a module for input ``like``, the way ComfyUI's op forward gets them:
@@ -135,6 +166,18 @@ def staged_block(blk, device, dynamic: bool):
         mp.prefetch_queue_pop(q, device, None)  # offload stream waits on the block's work; unpin
 
 
+def fp8_stored_block(kind, blk) -> bool:
+    """Every block GEMM weight is stored in fp8 e4m3 -- unscaled (UNETLoader's fp8_e4m3fn) or a
+    per-tensor-scaled checkpoint -- so the fast profile uses them as they are (nothing re-quantised)."""
+    from ..flux_core import fast
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    try:
+        return fp8 is not None and all(_scaled_fp8_linear(lin) or getattr(getattr(lin, "weight", None), "dtype", None) == fp8
+                                       for lin in fast.block_linears(kind, blk))
+    except Exception:
+        return False
+
+
 class ComfyWeights(Weights):
     """``flux_core.blocks.Weights`` for ComfyUI modules: weights obtained the way ComfyUI's ops do."""
 
@@ -179,17 +222,32 @@ class ComfyWeights(Weights):
         return w, b
 
     def linear_fp8(self, lin, x):
-        """The fast profile's fp8 hand-off: (weight e4m3 [N, K] on x's device, bias in x's dtype) for
-        ComfyUI's plain Linear op whose stored weight is fp8 e4m3 without a scale (UNETLoader's
-        ``fp8_e4m3fn`` / ``fp8_e4m3fn_fast`` weight dtypes), staged by ``cast_bias_weight`` with no
-        dtype cast (DynamicVRAM / offload as usual) -- the stored weights are the GEMM's operand, no
-        bf16 round trip, no second copy.  None for anything else (bf16 storage, scaled / quantized
-        fp8 tensors, on-the-fly weight functions: those go through ``linear``)."""
+        """The fast profile's fp8 hand-off: (weight e4m3 [N, K] on x's device, bias in x's dtype,
+        per-tensor scale or None) for a Linear whose stored weight is fp8 e4m3 --
+          * ComfyUI's plain Linear op holding e4m3 without a scale (UNETLoader's ``fp8_e4m3fn`` /
+            ``fp8_e4m3fn_fast`` weight dtypes): staged by ``cast_bias_weight`` with no dtype cast;
+          * a scaled fp8 checkpoint (``_scaled_fp8_linear``: ComfyUI's mixed-precision Linear with an
+            fp8 e4m3 ``QuantizedTensor`` of one per-tensor scale): staged the same way, its fp8
+            data and scale handed out as they are --
+        DynamicVRAM / offload as usual; the stored weights are the GEMM's operand, no bf16 round
+        trip, no second copy.  None for anything else (bf16 storage, other quantized formats,
+        on-the-fly weight functions: those go through ``linear`` or run the exact path)."""
         import comfy.ops
         fp8 = getattr(torch, "float8_e4m3fn", None)
-        if fp8 is None or not _is_comfy_op(lin) or not _plain_linear_op(lin) or lin.weight.dtype != fp8:
+        if fp8 is None or not _is_comfy_op(lin):
             return None
         if getattr(lin, "weight_function", None) or getattr(lin, "bias_function", None):
+            return None
+        if _scaled_fp8_linear(lin):
+            logical = lin.weight.dtype  # a QuantizedTensor's dtype is its dequantized dtype: no cast
+            wq, b, state = comfy.ops.cast_bias_weight(lin, None, dtype=logical, device=x.device,
+                                                      bias_dtype=x.dtype, offloadable=True)
+            self._staged.append((lin, wq, b, state))
+            q = _fp8_qdata(wq)
+            if q is None:
+                return None
+            return q[0], b, q[1]
+        if not _plain_linear_op(lin) or lin.weight.dtype != fp8:
             return None
         w = lin.weight
         if _casts_per_call(lin) or w.device != x.device:
@@ -202,12 +260,15 @@ class ComfyWeights(Weights):
                 b = b.to(device=x.device, dtype=x.dtype)
         if not _is_tensor(wq) or wq.dtype != fp8:
             return None
-        return wq, b
+        return wq, b, None
 
     def linear_ok(self, lin, x) -> bool:
-        """``linear`` would hand out weights (the same conditions, nothing cast)."""
+        """``linear`` (or, for a scaled fp8 checkpoint, ``linear_fp8``) would hand out weights (the
+        same conditions, nothing cast)."""
         if not _is_comfy_op(lin):
             return super().linear_ok(lin, x)
+        if _scaled_fp8_linear(lin):
+            return not (getattr(lin, "weight_function", None) or getattr(lin, "bias_function", None))
         if not _plain_linear_op(lin):
             return False
         if not _casts_per_call(lin):

@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 
 from .host import (ComfyWeights, attention_override, block_problem, call_problem, default_sdpa_attention, dynamic_block,
+                   fp8_stored_block,
                    flux_attention, resolve_block, staged_block, weight_epoch)
 
 log = logging.getLogger("flux_numba")
@@ -77,16 +78,6 @@ def _pack():
     from ..flux_core import blocks
     from ..cuda_kernels import registry, runtime  # ``registry`` is the OpRegistry instance
     return blocks, registry, runtime
-
-
-def _fp8_stored(kind, blk) -> bool:
-    """Every block GEMM weight is stored in fp8 e4m3 (UNETLoader's fp8_e4m3fn weight dtype)."""
-    from ..flux_core import fast
-    try:
-        return fast.FP8 is not None and all(getattr(getattr(lin, "weight", None), "dtype", None) == fast.FP8
-                                            for lin in fast.block_linears(kind, blk))
-    except Exception:
-        return False
 
 
 def _graph_probe() -> bool:
@@ -311,7 +302,7 @@ class _Runner:
         hit = self.block_ok.get(id(blk))
         if hit is None or hit[0]() is not blk:
             hit = self.block_ok[id(blk)] = (weakref.ref(blk), block_problem(kind, blk), dynamic_block(blk),
-                                            self.fast and _fp8_stored(kind, blk))
+                                            self.fast and fp8_stored_block(kind, blk))
         bad = hit[1] or call_problem(args, extra)
         if bad is None:
             bad = _input_problem(kind, blk, args)
@@ -445,8 +436,9 @@ class FluxNumbaPatch:
                                    "exact: fused ops with bf16-exact math. stock-order: the pack's blocks in "
                                    "ComfyUI's op order (no fusion), for A/B. fast: exact's fusion with the block "
                                    "GEMMs in fp8 e4m3 (per-token / per-channel scales; sm_89 or newer, else exact), "
-                                   "a small quality loss; fp8-stored weights (weight_dtype fp8_e4m3fn) are used "
-                                   "as they are, bf16 weights are quantised again every step (no extra memory). "
+                                   "a small quality loss; fp8-stored weights (weight_dtype fp8_e4m3fn, scaled fp8 "
+                                   "checkpoints) are used as they are, bf16 weights are quantised again every "
+                                   "step (no extra memory). "
                                    "fast-cached: as fast, bf16 weights quantised once and kept -- ~10 ms/step "
                                    "faster, costs an fp8 copy of the block weights on the GPU (~12 GB for "
                                    "FLUX.1-dev)."}),

@@ -558,3 +558,68 @@ def test_fast_on_dynamic_bf16_blocks_runs_exact(comfy, monkeypatch, caplog):
     pc, = Patch().patch(mp, backend="torch", profile="fast-cached")
     _sample(pc, latent)
     assert n_mm
+
+
+def _scaled_fp8_patcher(comfy):
+    """A scaled fp8 checkpoint as ComfyUI loads one (mixed-precision ops, per-layer ``comfy_quant``
+    metadata, one ``weight_scale`` per tensor): every block Linear weight e4m3 with its scale."""
+    import json
+    import comfy.model_patcher
+    import comfy.supported_models
+    from flux_numba_pack.flux_core import TINY, tiny_state_dict
+    cfg = dict(TINY.comfy_kwargs(), image_model="flux")
+    mc = comfy.supported_models.Flux(cfg)
+    mc.quant_config = {"mixed_ops": True}
+    mc.set_inference_dtype(torch.float32, torch.float32)
+    bm = mc.get_model({}, device=torch.device("cpu"))
+    meta = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
+    sd = {}
+    for k, v in tiny_state_dict(0).items():
+        if ("double_blocks" in k or "single_blocks" in k) and k.endswith(".weight") and v.ndim == 2:
+            s = v.abs().amax().float() / 448
+            sd[k], sd[k[:-6] + "weight_scale"], sd[k[:-6] + "comfy_quant"] = (v.float() / s).to(torch.float8_e4m3fn), s, meta
+        else:
+            sd[k] = v
+    res = bm.diffusion_model.load_state_dict(mc.process_unet_state_dict(sd), strict=False)
+    assert not res.missing_keys and not res.unexpected_keys, res
+    return comfy.model_patcher.ModelPatcher(bm, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def test_fast_profile_uses_scaled_fp8_checkpoints_as_they_are(comfy, monkeypatch):
+    """Scaled fp8 checkpoint (QuantizedTensor weights with per-tensor scales): the fast profile feeds
+    the stored e4m3 data to the GEMM with that scale -- nothing re-quantised or dequantised -- and
+    matches stock closely; the exact profile still calls ComfyUI's own op."""
+    from flux_numba_pack.flux_core import fast
+    from flux_numba_pack.nodes import host
+    if fast.support("cpu"):
+        pytest.skip(fast.support("cpu"))
+    quantised, operands, scales = [], [], []
+    real_get, real_mm = fast.Fp8Weights.get, fast.scaled_mm
+    monkeypatch.setattr(fast.Fp8Weights, "get", lambda self, *a, **k: quantised.append(1) or real_get(self, *a, **k))
+    monkeypatch.setattr(fast, "scaled_mm", lambda *a, **k: operands.append(a[2]) or scales.append(a[3]) or real_mm(*a, **k))
+    with torch.inference_mode():  # ComfyUI loads checkpoints inside its executor's inference mode
+        mp = _scaled_fp8_patcher(comfy)
+    dm = mp.model.diffusion_model
+    assert host.fp8_stored_block("single", dm.single_blocks[0]) and host.fp8_stored_block("double", dm.double_blocks[0])
+    latent = torch.zeros(1, 16, 8, 8)
+    stock = _sample(mp, latent)
+    pm, = Patch().patch(mp, backend="torch", profile="fast")
+    got = _sample(pm, latent)
+    st = patch_stats(pm)
+    assert st["fallbacks"] == 0 and not st.get("off"), st
+    assert operands and not quantised
+    stored = {m.weight._qdata.data_ptr(): m.weight._params.scale.item() for m in dm.modules()
+              if host._fp8_qdata(getattr(m, "weight", None)) is not None}
+    assert len(stored) == N_BLOCKS_LINEARS(dm)
+    assert all(w.dtype == torch.float8_e4m3fn and w.data_ptr() in stored for w in operands)
+    assert all(torch.allclose(s, torch.full_like(s, stored[w.data_ptr()])) for w, s in zip(operands, scales))
+    assert rel_err(got, stock) < 0.1, rel_err(got, stock)
+    operands.clear()
+    px, = Patch().patch(mp, backend="torch", profile="exact")
+    assert rel_err(_sample(px, latent), stock) < 1e-4 and not operands
+
+
+def N_BLOCKS_LINEARS(dm):
+    from flux_numba_pack.flux_core import fast
+    return sum(len(fast.block_linears("double", b)) + 2 for b in dm.double_blocks) + \
+        sum(len(fast.block_linears("single", b)) + 1 for b in dm.single_blocks)  # + the modulation Linears
