@@ -49,6 +49,9 @@ log = logging.getLogger("flux_numba")
 
 PROFILES = ["exact", "stock-order", "fast", "fast-cached"]
 FAST_PROFILES = ("fast", "fast-cached")
+# A/B knob for the next measurement: profile fast's per-step weight quantisation on bf16 DynamicVRAM
+# blocks too (off by default: measured slower than stock there, session 7)
+FAST_ON_DYNAMIC = os.environ.get("FLUX_NUMBA_FAST_DYNAMIC") == "1"
 ATTENTIONS = ["auto", "sdpa", "numba-bf16", "numba-8bit"]
 BACKENDS = ["auto", "torch", "numba"]
 CUDA_GRAPHS = ["auto", "off"]
@@ -320,7 +323,7 @@ class _Runner:
                                        host=weights, quant8=self.policy.get(ATTENTION_OP) == "numba-8bit")
         if self.fast:
             fp8 = self.fp8_cache(img.device)
-            if fp8 is not None and not fp8.keep and hit[2] and not hit[3]:
+            if fp8 is not None and not fp8.keep and hit[2] and not hit[3] and not FAST_ON_DYNAMIC:
                 # DynamicVRAM + bf16 weights + per-step quantisation: measured slower than stock
                 # (v0.33 server, session 7: 5.75-5.93 s vs stock 5.18; exact 4.03, fast-cached 3.71-4.33)
                 self.note(("fast-dynamic", kind), logging.WARNING,
