@@ -23,7 +23,8 @@ building of the tuning table: dispatch is then a dict lookup.  Not remembered: a
 that fell back (counted per call in ``fallbacks``), a choice made while a CUDA graph is captured
 (no timing there), and calls with an argument the key cannot describe (any object but tensors,
 numbers, strings, None and tuples/lists of them).  Registering a backend or changing the
-process-wide policy forgets every decision.
+process-wide policy forgets every decision; any other change of an op's backends (a test replacing
+one) is part of the key (``_Backends.version``).
 """
 from __future__ import annotations
 
@@ -48,13 +49,54 @@ class Backend:
     auto: bool = True  # False: runs only when forced (auto neither compiles nor times it)
 
 
+class _Backends(dict):
+    """An op's backends by name; ``version`` changes with every change of the mapping, however it
+    is made (``register_backend``, or a test's ``monkeypatch.setitem``), so remembered decisions
+    keyed on it never outlive the backends they chose among."""
+    version = 0
+
+    def _bump(self):
+        self.version += 1
+
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v)
+        self._bump()
+
+    def __delitem__(self, k):
+        super().__delitem__(k)
+        self._bump()
+
+    def pop(self, *a):
+        r = super().pop(*a)
+        self._bump()
+        return r
+
+    def popitem(self):
+        r = super().popitem()
+        self._bump()
+        return r
+
+    def update(self, *a, **kw):
+        super().update(*a, **kw)
+        self._bump()
+
+    def setdefault(self, k, v=None):
+        r = super().setdefault(k, v)
+        self._bump()
+        return r
+
+    def clear(self):
+        super().clear()
+        self._bump()
+
+
 @dataclass
 class Op:
     name: str
     reference: Callable
     doc: str = ""
     mutates: Sequence[int] = ()  # positional args written in place (cloned when autotuning)
-    backends: Dict[str, Backend] = field(default_factory=dict)
+    backends: Dict[str, Backend] = field(default_factory=_Backends)
 
     def candidates(self):
         return sorted((b for b in self.backends.values() if b.name != REFERENCE and b.auto),
@@ -151,7 +193,7 @@ class OpRegistry:
     def choose(self, op_name: str, *args, **kwargs) -> Backend:
         want = self.requested(op_name)
         sk = self.shape_key(args, kwargs, strict=True)
-        key = None if sk is None else (op_name, want, self.autotune, sk)
+        key = None if sk is None else (op_name, want, self.autotune, self.ops[op_name].backends.version, sk)
         if key is not None:
             b = self._choices.get(key)
             if b is not None:

@@ -196,7 +196,14 @@ def test_decisions_remembered_per_signature():
     r.set_policy({"double": "fast"})
     r.call("double", x)
     assert len(calls) == 8
+    r.set_policy({})
+    from flux_numba_pack.cuda_kernels.registry import Backend
+    old = r.ops["double"].backends["fast"]
+    r.ops["double"].backends["fast"] = Backend("fast", lambda x, *a, **k: x * 3, check=check)  # as monkeypatch.setitem
+    assert torch.equal(r.call("double", x), 3 * x) and len(calls) == 9
+    r.ops["double"].backends["fast"] = old
+    r.set_policy({"double": "fast"})
     y = torch.ones(3, dtype=torch.float64)
     for _ in range(3):  # forced and unavailable: checked and counted every time
         r.call("double", y)
-    assert r.fallbacks[("double", "fast", "fp32 only")] == 3 and len(calls) == 11
+    assert r.fallbacks[("double", "fast", "fp32 only")] == 3 and len(calls) == 12
