@@ -166,7 +166,7 @@ class _Runner:
         self.fast = options["profile"] in FAST_PROFILES
         self._fp8 = {}  # device -> flux_core.fast.Fp8Weights, or None where fp8 cannot run (logged)
         self.policy, self.attn_route = self._policy(options, registry)
-        self.block_ok = {}  # id(block) -> (weakref(block), reason or None, DynamicVRAM weights?)
+        self.block_ok = {}  # id(block) -> (weakref(block), reason or None, DynamicVRAM weights?, fp8-stored weights?)
         # DynamicVRAM: stage each block's weights at once (host.staged_block); "0" only for A/B runs
         self.stage_blocks = os.environ.get("FLUX_NUMBA_BLOCK_STAGING", "1") != "0"
         self.proven = set()  # input signatures that ran through our path once
