@@ -15,7 +15,9 @@ ComfyUI's default: there the frees that follow an invalidated capture raise insi
 and terminate the process):
   * the last warm-up runs with torch's sync debug mode set to "error", so a forward that syncs the
     host (``.item()``, a device-to-host copy, ``nonzero``) raises an ordinary exception before any
-    capture begins -- the caller then runs eagerly;
+    capture begins -- the caller then runs eagerly.  (The mode is process-wide: for those two
+    forwards another thread's syncing op would raise as well; ComfyUI runs models on its one
+    prompt-worker thread);
   * the capture runs with the same mode (a sync raises before it reaches the driver: the capture
     stays valid and is ended and dropped) and ``capture_error_mode="thread_local"`` (another
     thread's CUDA calls, e.g. a server thread's, neither invalidate it nor fail);

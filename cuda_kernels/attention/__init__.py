@@ -104,6 +104,8 @@ def cudnn_attention(q, k, v, mask=None, out=None, q8=None):
     """The reference with cuDNN's fused attention tried first (then flash / efficient / math, so a
     call cuDNN declines still runs).  torch's own order tries FLASH first (on an H200 pytorch's flash
     kernel takes ~0.85 ms at [1,24,4608,128], cuDNN ~0.45); auto times both per shape."""
+    if not torch.backends.cuda.cudnn_sdp_enabled():  # disabled since the registry chose this backend
+        return reference(q, k, v, mask, out)  # (its decision is remembered): torch's own order, as asked
     ctx, order = _PRIORITY
     with ctx(order, set_priority=True):
         return reference(q, k, v, mask, out)
