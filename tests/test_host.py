@@ -483,6 +483,28 @@ def test_fast_profile_runs_fp8_and_follows_lora(comfy, monkeypatch, profile):
     assert rel_err(g_l - got, s_l - stock) < 0.5  # the LoRA's effect, seen through fp8
 
 
+def _spy_fp8(monkeypatch):
+    """Lists filled as the fast profile runs: weights quantised (Fp8Weights.get calls), and the
+    weight operand and weight scales of every fp8 GEMM."""
+    from flux_numba_pack.flux_core import fast
+    quantised, operands, scales = [], [], []
+    real_get, real_mm = fast.Fp8Weights.get, fast.scaled_mm
+    monkeypatch.setattr(fast.Fp8Weights, "get", lambda self, *a, **k: quantised.append(1) or real_get(self, *a, **k))
+    monkeypatch.setattr(fast, "scaled_mm", lambda *a, **k: operands.append(a[2]) or scales.append(a[3]) or real_mm(*a, **k))
+    return quantised, operands, scales
+
+
+def _stock_and_fast(mp):
+    """(stock, profile fast) samples of one model; the fast one without any block fallback."""
+    latent = torch.zeros(1, 16, 8, 8)
+    stock = _sample(mp, latent)
+    pm, = Patch().patch(mp, backend="torch", profile="fast")
+    got = _sample(pm, latent)
+    st = patch_stats(pm)
+    assert st["fallbacks"] == 0 and not st.get("off"), st
+    return stock, got
+
+
 def _fp8_stored_patcher(comfy):
     import comfy.model_patcher
     import comfy.supported_models
@@ -502,17 +524,9 @@ def test_fast_profile_uses_fp8_stored_weights_as_they_are(comfy, monkeypatch):
     from flux_numba_pack.flux_core import fast
     if fast.support("cpu"):
         pytest.skip(fast.support("cpu"))
-    quantised, operands = [], []
-    real_get, real_mm = fast.Fp8Weights.get, fast.scaled_mm
-    monkeypatch.setattr(fast.Fp8Weights, "get", lambda self, *a, **k: quantised.append(1) or real_get(self, *a, **k))
-    monkeypatch.setattr(fast, "scaled_mm", lambda *a, **k: operands.append(a[2]) or real_mm(*a, **k))
+    quantised, operands, _ = _spy_fp8(monkeypatch)
     mp = _fp8_stored_patcher(comfy)
-    latent = torch.zeros(1, 16, 8, 8)
-    stock = _sample(mp, latent)
-    pm, = Patch().patch(mp, backend="torch", profile="fast")
-    got = _sample(pm, latent)
-    st = patch_stats(pm)
-    assert st["fallbacks"] == 0 and not st.get("off"), st
+    stock, got = _stock_and_fast(mp)
     assert operands and not quantised
     stored = {p.data_ptr() for p in mp.model.diffusion_model.parameters() if p.dtype == torch.float8_e4m3fn}
     assert all(w.dtype == torch.float8_e4m3fn and w.data_ptr() in stored for w in operands)
@@ -593,20 +607,12 @@ def test_fast_profile_uses_scaled_fp8_checkpoints_as_they_are(comfy, monkeypatch
     from flux_numba_pack.nodes import host
     if fast.support("cpu"):
         pytest.skip(fast.support("cpu"))
-    quantised, operands, scales = [], [], []
-    real_get, real_mm = fast.Fp8Weights.get, fast.scaled_mm
-    monkeypatch.setattr(fast.Fp8Weights, "get", lambda self, *a, **k: quantised.append(1) or real_get(self, *a, **k))
-    monkeypatch.setattr(fast, "scaled_mm", lambda *a, **k: operands.append(a[2]) or scales.append(a[3]) or real_mm(*a, **k))
+    quantised, operands, scales = _spy_fp8(monkeypatch)
     with torch.inference_mode():  # ComfyUI loads checkpoints inside its executor's inference mode
         mp = _scaled_fp8_patcher(comfy)
     dm = mp.model.diffusion_model
     assert host.fp8_stored_block("single", dm.single_blocks[0]) and host.fp8_stored_block("double", dm.double_blocks[0])
-    latent = torch.zeros(1, 16, 8, 8)
-    stock = _sample(mp, latent)
-    pm, = Patch().patch(mp, backend="torch", profile="fast")
-    got = _sample(pm, latent)
-    st = patch_stats(pm)
-    assert st["fallbacks"] == 0 and not st.get("off"), st
+    stock, got = _stock_and_fast(mp)
     assert operands and not quantised
     stored = {m.weight._qdata.data_ptr(): m.weight._params.scale.item() for m in dm.modules()
               if host._fp8_qdata(getattr(m, "weight", None)) is not None}
@@ -616,7 +622,7 @@ def test_fast_profile_uses_scaled_fp8_checkpoints_as_they_are(comfy, monkeypatch
     assert rel_err(got, stock) < 0.1, rel_err(got, stock)
     operands.clear()
     px, = Patch().patch(mp, backend="torch", profile="exact")
-    assert rel_err(_sample(px, latent), stock) < 1e-4 and not operands
+    assert rel_err(_sample(px, torch.zeros(1, 16, 8, 8)), stock) < 1e-4 and not operands
 
 
 def N_BLOCKS_LINEARS(dm):
