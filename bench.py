@@ -213,7 +213,7 @@ def main():
             rep[("single_block", i)] = fs
         return {"dit": rep}
 
-    fp8_weights = []  # fast-cached's fp8 weight cache, made once (one per process, like the node's per model)
+    fp8_weights = {}  # fast-cached's fp8 weight cache, made once (one per process, like the node's per model)
 
     def forward_fn(variant):
         m = model
@@ -240,12 +240,8 @@ def main():
             why = fast_mod.support(dev)
             if why:
                 raise RuntimeError("fast profile: " + why)
-            if variant == "fast":
-                bctx.fp8 = fast_mod.Fp8Weights(keep=False)
-            else:
-                if not fp8_weights:
-                    fp8_weights.append(fast_mod.Fp8Weights(keep=True))
-                bctx.fp8 = fp8_weights[0]
+            bctx.fp8 = (fast_mod.Fp8Weights(keep=False) if variant == "fast"
+                        else fp8_weights.setdefault("w", fast_mod.Fp8Weights(keep=True)))
 
         def fn(xin=None, tin=None):
             xin = x if xin is None else xin

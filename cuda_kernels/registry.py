@@ -22,9 +22,9 @@ so a call that repeats a signature (every block of every step) skips the checks 
 building of the tuning table: dispatch is then a dict lookup.  Not remembered: a forced backend
 that fell back (counted per call in ``fallbacks``), a choice made while a CUDA graph is captured
 (no timing there), and calls with an argument the key cannot describe (any object but tensors,
-numbers, strings, None and tuples/lists of them).  Registering a backend or changing the
-process-wide policy forgets every decision; any other change of an op's backends (a test replacing
-one) is part of the key (``_Backends.version``).
+numbers, strings, None and tuples/lists of them).  A policy change is a new requested backend, and
+every change of an op's backends -- registering one, or a test replacing one -- a new
+``_Backends.version``: both are in the key, so no decision outlives what it chose among.
 """
 from __future__ import annotations
 
@@ -125,7 +125,6 @@ class OpRegistry:
         else:
             op = self.ops[name] = Op(name, reference, doc, tuple(mutates))
         op.backends[REFERENCE] = Backend(REFERENCE, reference, None, -1000)
-        self._choices.clear()
         return op
 
     def register_backend(self, op_name: str, backend: str, fn: Callable, check: Optional[Callable] = None,
@@ -135,7 +134,6 @@ class OpRegistry:
         if op_name not in self.ops:
             raise KeyError(f"register the op {op_name!r} (with its torch reference) before a backend")
         self.ops[op_name].backends[backend] = Backend(backend, fn, check, priority, auto)
-        self._choices.clear()
 
     def backends(self, op_name: str):
         return list(self.ops[op_name].backends)
@@ -150,7 +148,6 @@ class OpRegistry:
     def set_policy(self, policy: Dict[str, str]):
         """Process-wide policy, e.g. {"*": "auto"} or {"attention": "torch"}."""
         self._policy = dict(policy)
-        self._choices.clear()
 
     @contextlib.contextmanager
     def force(self, backend: str = None, ops: Optional[Sequence[str]] = None, **per_op: str):
@@ -192,8 +189,8 @@ class OpRegistry:
 
     def choose(self, op_name: str, *args, **kwargs) -> Backend:
         want = self.requested(op_name)
-        sk = self.shape_key(args, kwargs, strict=True)
-        key = None if sk is None else (op_name, want, self.autotune, self.ops[op_name].backends.version, sk)
+        sk, opaque = self._describe(args, kwargs)
+        key = None if opaque else (op_name, want, self.autotune, self.ops[op_name].backends.version, sk)
         if key is not None:
             b = self._choices.get(key)
             if b is not None:
@@ -253,6 +250,12 @@ class OpRegistry:
         """Hashable description of a call's arguments: (shape, dtype, device, strides) per tensor,
         plain values as they are.  ``strict``: None when an argument is anything else (other
         objects are described by their type name only when not strict)."""
+        key, opaque = OpRegistry._describe(args, kwargs)
+        return None if (strict and opaque) else key
+
+    @staticmethod
+    def _describe(args, kwargs):
+        """(``shape_key``, whether an argument is an object the key describes only by type/shape)."""
         import torch
         opaque = []
 
@@ -263,18 +266,16 @@ class OpRegistry:
                 return a
             if isinstance(a, (list, tuple)):
                 return tuple(sig(x) for x in a)
-            if hasattr(a, "shape") and hasattr(a, "dtype"):
-                opaque.append(a)
-                return (tuple(a.shape), str(a.dtype), str(getattr(a, "device", "")), tuple(a.stride()) if hasattr(a, "stride") else ())
             opaque.append(a)
+            if hasattr(a, "shape") and hasattr(a, "dtype"):
+                return (tuple(a.shape), str(a.dtype), str(getattr(a, "device", "")), tuple(a.stride()) if hasattr(a, "stride") else ())
             return type(a).__name__
         key = tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in sorted(kwargs.items()))
-        return None if (strict and opaque) else key
+        return key, bool(opaque)
 
-    def _tuned_choice(self, op: Op, cands, args, kwargs, sk=None):
-        """(backend, final) -- not final while a graph is captured (no timing there)."""
-        if sk is None:
-            sk = self.shape_key(args, kwargs)
+    def _tuned_choice(self, op: Op, cands, args, kwargs, sk):
+        """(backend, final) -- not final while a graph is captured (no timing there); ``sk``: the
+        call's ``shape_key``."""
         key = (op.name, tuple(b.name for b in cands), sk)
         name = self._tuned.get(key)
         if name is None:

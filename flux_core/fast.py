@@ -57,7 +57,7 @@ from . import blocks as _b
 FP8 = fp8_format.FP8
 
 
-_MODES = {}  # device -> None (row-wise fp8 GEMMs run) | reason string (probed once)
+_SUPPORT = {}  # device -> None (row-wise fp8 GEMMs run) | reason string (probed once)
 
 
 def _probe_row(device) -> bool:
@@ -78,8 +78,8 @@ def support(device) -> Optional[str]:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device in _MODES:
-        return _MODES[device]
+    if device in _SUPPORT:
+        return _SUPPORT[device]
     if FP8 is None or not hasattr(torch, "_scaled_mm"):
         why = f"torch {torch.__version__} has no float8_e4m3fn / _scaled_mm"
     elif device.type not in ("cuda", "cpu"):
@@ -92,7 +92,7 @@ def support(device) -> Optional[str]:
     else:  # sm_89: tensor-wise scales only (a tensor-wise path lost on the H200: BENCHMARKS, tag fp8-tensorwise-v1)
         why = (f"torch's _scaled_mm takes no row-wise scales on {device} (tensor-wise only, e.g. sm_89); "
                "the fast profile needs them")
-    _MODES[device] = why
+    _SUPPORT[device] = why
     return why
 
 

@@ -77,10 +77,17 @@ def no_host_syncs():
         torch.cuda.set_sync_debug_mode(prev)
 
 
-def drop_graph(graph):
-    """Free a captured graph's memory now, quietly (see the module docstring)."""
+@contextlib.contextmanager
+def _allocator_notes_silenced():
+    """The allocator's benign deferred-free notes (module docstring) are not printed inside."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        yield
+
+
+def drop_graph(graph):
+    """Free a captured graph's memory now, quietly."""
+    with _allocator_notes_silenced():
         graph.reset()
 
 
@@ -155,11 +162,9 @@ class GraphedForward:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         before = registry.usage.copy()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the allocator's benign deferred-free note
-            with no_host_syncs():
-                with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                    static_out = self.fn(*static_in)
+        with _allocator_notes_silenced(), no_host_syncs():
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                static_out = self.fn(*static_in)
         usage = registry.usage.copy()
         usage.subtract(before)
         self.captures += 1

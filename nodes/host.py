@@ -60,9 +60,16 @@ def _is_comfy_op(m) -> bool:
     return isinstance(m, comfy.ops.CastWeightBiasOp)
 
 
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+def _has_weight_functions(m) -> bool:
+    """The op applies weight / bias functions per call (on-the-fly LoRA, low-VRAM patches)."""
+    return bool(getattr(m, "weight_function", None) or getattr(m, "bias_function", None))
+
+
 def _casts_per_call(m) -> bool:
-    return bool(getattr(m, "comfy_cast_weights", False) or getattr(m, "weight_function", None)
-                or getattr(m, "bias_function", None))
+    return bool(getattr(m, "comfy_cast_weights", False)) or _has_weight_functions(m)
 
 
 def _plain_tensor(t) -> bool:
@@ -95,7 +102,7 @@ def _fp8_qdata(w):
     scale = getattr(params, "scale", None)
     if not isinstance(q, torch.Tensor) or not isinstance(scale, torch.Tensor) or scale.numel() != 1:
         return None
-    if getattr(w, "_layout_cls", None) not in _FP8_LAYOUTS or q.dtype != getattr(torch, "float8_e4m3fn", None):
+    if getattr(w, "_layout_cls", None) not in _FP8_LAYOUTS or q.dtype != _FP8:
         return None
     if q.ndim != 2 or tuple(q.shape) != tuple(w.shape):
         return None
@@ -108,10 +115,9 @@ def _scaled_fp8_linear(lin) -> bool:
     layer's matmul in full precision (``full_precision_matrix_mult``).  (ComfyUI also runs the
     dequantized matmul where it finds no fp8 compute; whether fp8 GEMMs run here is the fast
     profile's own check, ``flux_core.fast.support``.)"""
-    w = getattr(lin, "weight", None)
-    if w is None or getattr(lin, "_full_precision_mm_config", False) or getattr(lin, "quant_format", None) != "float8_e4m3fn":
+    if getattr(lin, "quant_format", None) != "float8_e4m3fn" or getattr(lin, "_full_precision_mm_config", False):
         return False
-    return _fp8_qdata(w) is not None
+    return _fp8_qdata(getattr(lin, "weight", None)) is not None
 
 
 @contextlib.contextmanager
@@ -170,10 +176,9 @@ def fp8_stored_block(kind, blk) -> bool:
     """Every block GEMM weight is stored in fp8 e4m3 -- unscaled (UNETLoader's fp8_e4m3fn) or a
     per-tensor-scaled checkpoint -- so the fast profile uses them as they are (nothing re-quantised)."""
     from ..flux_core import fast
-    fp8 = getattr(torch, "float8_e4m3fn", None)
     try:
-        return fp8 is not None and all(_scaled_fp8_linear(lin) or getattr(getattr(lin, "weight", None), "dtype", None) == fp8
-                                       for lin in fast.block_linears(kind, blk))
+        return _FP8 is not None and all(_scaled_fp8_linear(lin) or getattr(getattr(lin, "weight", None), "dtype", None) == _FP8
+                                        for lin in fast.block_linears(kind, blk))
     except Exception:
         return False
 
@@ -233,10 +238,7 @@ class ComfyWeights(Weights):
         trip, no second copy.  None for anything else (bf16 storage, other quantized formats,
         on-the-fly weight functions: those go through ``linear`` or run the exact path)."""
         import comfy.ops
-        fp8 = getattr(torch, "float8_e4m3fn", None)
-        if fp8 is None or not _is_comfy_op(lin):
-            return None
-        if getattr(lin, "weight_function", None) or getattr(lin, "bias_function", None):
+        if _FP8 is None or not _is_comfy_op(lin) or _has_weight_functions(lin):
             return None
         if _scaled_fp8_linear(lin):
             logical = lin.weight.dtype  # a QuantizedTensor's dtype is its dequantized dtype: no cast
@@ -247,18 +249,18 @@ class ComfyWeights(Weights):
             if q is None:
                 return None
             return q[0], b, q[1]
-        if not _plain_linear_op(lin) or lin.weight.dtype != fp8:
+        if not _plain_linear_op(lin) or lin.weight.dtype != _FP8:
             return None
         w = lin.weight
         if _casts_per_call(lin) or w.device != x.device:
-            wq, b, state = comfy.ops.cast_bias_weight(lin, None, dtype=fp8, device=x.device, bias_dtype=x.dtype,
+            wq, b, state = comfy.ops.cast_bias_weight(lin, None, dtype=_FP8, device=x.device, bias_dtype=x.dtype,
                                                       offloadable=True)
             self._staged.append((lin, wq, b, state))
         else:
             wq, b = w, lin.bias
             if b is not None and (b.dtype != x.dtype or b.device != x.device):
                 b = b.to(device=x.device, dtype=x.dtype)
-        if not _is_tensor(wq) or wq.dtype != fp8:
+        if not _is_tensor(wq) or wq.dtype != _FP8:
             return None
         return wq, b, None
 
@@ -268,7 +270,7 @@ class ComfyWeights(Weights):
         if not _is_comfy_op(lin):
             return super().linear_ok(lin, x)
         if _scaled_fp8_linear(lin):
-            return not (getattr(lin, "weight_function", None) or getattr(lin, "bias_function", None))
+            return not _has_weight_functions(lin)
         if not _plain_linear_op(lin):
             return False
         if not _casts_per_call(lin):
@@ -429,7 +431,7 @@ def _freezes_per_call_work(m) -> bool:
     DynamicVRAM staging (comfy-aimdo vbar weights) and weight / bias functions (on-the-fly LoRA,
     low-VRAM patches).  A plain cast of weights resident on the device (fp8 storage with ComfyUI's
     manual_cast ops) is ordinary device work at fixed addresses and is captured like any op."""
-    return hasattr(m, "_v") or bool(getattr(m, "weight_function", None) or getattr(m, "bias_function", None))
+    return hasattr(m, "_v") or _has_weight_functions(m)
 
 
 def graph_blockers(module: torch.nn.Module, device: torch.device):

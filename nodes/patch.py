@@ -438,12 +438,13 @@ class FluxNumbaPatch:
             "profile": (PROFILES, {"default": "exact", "tooltip":
                                    "exact: fused ops with bf16-exact math. stock-order: the pack's blocks in "
                                    "ComfyUI's op order (no fusion), for A/B. fast: exact's fusion with the block "
-                                   "GEMMs in fp8 e4m3 (per-token / per-channel scales; sm_89 or newer, else exact), "
+                                   "GEMMs in fp8 e4m3 (per-token / per-channel scales; GPUs with row-wise fp8 scales "
+                                   "such as H100/H200, else exact), "
                                    "a small quality loss; fp8-stored weights (weight_dtype fp8_e4m3fn, scaled fp8 "
                                    "checkpoints) are used as they are, bf16 weights are quantised again every "
                                    "step (no extra memory). "
-                                   "fast-cached: as fast, bf16 weights quantised once and kept -- ~10 ms/step "
-                                   "faster, costs an fp8 copy of the block weights on the GPU (~12 GB for "
+                                   "fast-cached: as fast, bf16 weights quantised once and kept -- ~8 ms/step "
+                                   "faster on an H200, costs an fp8 copy of the block weights on the GPU (~12 GB for "
                                    "FLUX.1-dev)."}),
             "route_norms": ("BOOLEAN", {"default": True, "label_on": "on", "label_off": "off", "tooltip":
                                         "Route LayerNorm/modulate, q/k RMSNorm+RoPE, GELU and gated residuals "

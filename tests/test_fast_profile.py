@@ -64,10 +64,10 @@ def test_per_step_weights_equal_cached_and_hold_nothing(monkeypatch):
 def test_no_row_wise_scales_means_exact(monkeypatch):
     """A device whose _scaled_mm takes no row-wise scales (sm_89) gets a reason: the exact profile runs."""
     monkeypatch.setattr(fast, "_probe_row", lambda d: False)
-    monkeypatch.setattr(fast, "_MODES", {})
+    monkeypatch.setattr(fast, "_SUPPORT", {})
     why = fast.support("cpu")
     assert why and "row-wise" in why
-    monkeypatch.setattr(fast, "_MODES", {})
+    monkeypatch.setattr(fast, "_SUPPORT", {})
     monkeypatch.setattr(fast, "_probe_row", lambda d: True)
     assert fast.support("cpu") is None
 

@@ -462,9 +462,7 @@ def test_fast_profile_runs_fp8_and_follows_lora(comfy, monkeypatch, profile):
     from flux_numba_pack.flux_core import fast
     if fast.support("cpu"):
         pytest.skip(fast.support("cpu"))
-    n_mm = []
-    real = fast.scaled_mm
-    monkeypatch.setattr(fast, "scaled_mm", lambda *a, **k: n_mm.append(1) or real(*a, **k))
+    _, n_mm, _ = _spy_fp8(monkeypatch)  # n_mm: the weight operand of every fp8 GEMM
     mp = tiny_patcher(comfy, torch.float32)
     latent = torch.zeros(1, 16, 8, 8)
     stock = _sample(mp, latent)
@@ -557,9 +555,7 @@ def test_fast_on_dynamic_bf16_blocks_runs_exact(comfy, monkeypatch, caplog):
     mp = tiny_patcher(comfy, torch.float32)
     for blk in list(mp.model.diffusion_model.double_blocks) + list(mp.model.diffusion_model.single_blocks):
         blk._v = object()  # what comfy-aimdo's vbar staging leaves on a DynamicVRAM module (host.dynamic_block)
-    n_mm = []
-    real = fast.scaled_mm
-    monkeypatch.setattr(fast, "scaled_mm", lambda *a, **k: n_mm.append(1) or real(*a, **k))
+    _, n_mm, _ = _spy_fp8(monkeypatch)  # n_mm: the weight operand of every fp8 GEMM
     latent = torch.zeros(1, 16, 8, 8)
     stock = _sample(mp, latent)
     with caplog.at_level(logging.WARNING, logger="flux_numba"):
@@ -616,7 +612,7 @@ def test_fast_profile_uses_scaled_fp8_checkpoints_as_they_are(comfy, monkeypatch
     assert operands and not quantised
     stored = {m.weight._qdata.data_ptr(): m.weight._params.scale.item() for m in dm.modules()
               if host._fp8_qdata(getattr(m, "weight", None)) is not None}
-    assert len(stored) == N_BLOCKS_LINEARS(dm)
+    assert len(stored) == _quantized_linears(dm)
     assert all(w.dtype == torch.float8_e4m3fn and w.data_ptr() in stored for w in operands)
     assert all(torch.allclose(s, torch.full_like(s, stored[w.data_ptr()])) for w, s in zip(operands, scales))
     assert rel_err(got, stock) < 0.1, rel_err(got, stock)
@@ -625,7 +621,8 @@ def test_fast_profile_uses_scaled_fp8_checkpoints_as_they_are(comfy, monkeypatch
     assert rel_err(_sample(px, torch.zeros(1, 16, 8, 8)), stock) < 1e-4 and not operands
 
 
-def N_BLOCKS_LINEARS(dm):
+def _quantized_linears(dm):
+    """Linears _scaled_fp8_patcher quantizes: the block GEMMs and the blocks' modulation Linears."""
     from flux_numba_pack.flux_core import fast
     return sum(len(fast.block_linears("double", b)) + 2 for b in dm.double_blocks) + \
         sum(len(fast.block_linears("single", b)) + 1 for b in dm.single_blocks)  # + the modulation Linears
