@@ -361,7 +361,7 @@ def main():
             sys.path.insert(0, os.path.join(ROOT, "bench"))
             import gpu_vae
             gpu_vae.run_decoder()
-            results["vae-decode"] = gpu_vae.results.get("decoder 1024^2 bf16", {})
+            results["vae-decode"] = gpu_vae.results.get("decoder 1024^2 bf16 nhwc", {})
         except Exception as e:
             results["vae-decode"] = {"error": f"{type(e).__name__}: {e}"}
 
@@ -409,8 +409,9 @@ def main():
     vd = results.get("vae-decode")
     if vd:
         if "stock_ms" in vd:
-            print(f"VAE decode 1024^2: stock {vd['stock_ms']} ms, patched {vd['patched_ms']} ms "
-                  f"({vd['speedup']}x), PSNR patched vs stock {vd['psnr_patched_vs_stock']} dB")
+            print(f"VAE decode 1024^2: stock {vd['stock_ms']} ms, patched (nhwc) {vd['ms']} ms ({vd['speedup']}x; "
+                  f"nchw {vd['nchw_ms']} ms), PSNR vs stock {vd['psnr_vs_stock']} dB, vs fp32 {vd['psnr_vs_fp32']} "
+                  f"(stock {vd['psnr_stock_vs_fp32']})")
         else:
             print(f"VAE decode: {vd}")
 

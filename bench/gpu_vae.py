@@ -20,6 +20,11 @@
    stock vs patched (backend auto: the registry's autotune may keep torch on shapes where it
    measured faster; every call of >= 32M elements must run numba; PSNR > 40 dB), and the stock
    VAE restored afterwards.
+4. The NHWC decoder's kernels (layout "nhwc"): groupnorm_silu_nhwc at the decoder's shapes vs torch's
+   GroupNorm+SiLU on the same channels_last tensor and vs our NCHW kernel on the NCHW copy; the
+   nearest-2x upsample ours vs torch NHWC / NCHW (device time as in 1); the decoder in both layouts
+   (2.) with a kernel breakdown of each (cuDNN convs, cuDNN layout conversions, ours, attention,
+   copies, other).
 Never stops at the first failure; table last; JSON to $OUT/gpu_vae.json if OUT is set.
 """
 import json
@@ -41,6 +46,8 @@ import _pack  # noqa: E402
 _pack.load()
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import groupnorm_silu as gn  # noqa: E402
+from flux_numba_pack.cuda_kernels import groupnorm_silu_nhwc as gnh  # noqa: E402
+from flux_numba_pack.cuda_kernels import upsample_nearest2x as up2  # noqa: E402
 from flux_numba_pack.flux_core import harness  # noqa: E402
 
 T0 = time.time()
@@ -201,6 +208,98 @@ def split_and_overhead(x, w, b):
     rows.append(("python/call 512x16^2", "", "", "", "", "", "", "", f"{cpu_us:.0f}", ""))
 
 
+# ----------------------------------------------------------------------------- NHWC kernels
+NHWC_SHAPES = [(512, 128), (512, 256), (512, 512), (256, 512), (256, 1024), (128, 1024)]
+UP_SHAPES = [(512, 128), (512, 256), (256, 512)]
+CL = torch.channels_last
+
+
+def forced(op, *a, **k):
+    registry.strict = True
+    try:
+        with registry.force("numba", ops=[op]):
+            return registry.call(op, *a, **k)
+    finally:
+        registry.strict = False
+
+
+def run_nhwc_kernels():
+    for C, H in NHWC_SHAPES:
+        name = f"nhwc {C}x{H}^2"
+        g = torch.Generator(device=DEV).manual_seed(C * H)
+        x = (torch.randn((1, C, H, H), device=DEV, generator=g) * 2).to(torch.bfloat16).contiguous(memory_format=CL)
+        w = (1 + 0.3 * torch.randn(C, device=DEV, generator=g)).to(torch.bfloat16)
+        b = (0.3 * torch.randn(C, device=DEV, generator=g)).to(torch.bfloat16)
+        ref = F.silu(F.group_norm(x.float(), 32, w.float(), b.float(), 1e-6))
+        y = poisoned(lambda: forced(gnh.OP, x, 32, w, b, 1e-6, silu=True))
+        nan = bool(torch.isnan(y).any())
+        err, serr = rel(y, ref), rel(stock(x, 32, w, b, 1e-6, True), ref)
+        del ref, y
+        xn = x.contiguous()
+        t_ours, h_ours, q1 = device_ms(lambda: forced(gnh.OP, x, 32, w, b, 1e-6, silu=True))
+        t_tcl, _, _ = device_ms(lambda: stock(x, 32, w, b, 1e-6, True))
+        t_nchw, _, _ = device_ms(lambda: ours(xn, 32, w, b, 1e-6, True))
+        t_tn, _, _ = device_ms(lambda: stock(xn, 32, w, b, 1e-6, True))
+        nbytes = 3 * x.numel() * 2
+        gbs = nbytes / (t_ours * 1e-3) / 1e9
+        ok = not nan and err <= max(2 * serr, 1e-5) + 4e-3
+        note(name, ok=ok, nan=nan, rel_err=f"{err:.2e}", stock_rel_err=f"{serr:.2e}", ours_nhwc_ms=round(t_ours, 4),
+             torch_nhwc_ms=round(t_tcl, 4), ours_nchw_ms=round(t_nchw, 4), torch_nchw_ms=round(t_tn, 4),
+             GBps=round(gbs), pct_3p7=round(100 * gbs * 1e9 / CEIL, 1), host_us=round(h_ours, 1), queued_ok=q1)
+        rows.append((name, "OK" if ok else "FAIL", f"{err:.1e}/{serr:.1e}", f"{t_tcl:.3f}", f"{t_ours:.3f}",
+                     f"{t_tcl / t_ours:.1f}x", f"{gbs:.0f}", f"{100 * gbs * 1e9 / CEIL:.0f}%/3.7",
+                     f"{h_ours:.0f}" + ("" if q1 else "!"), f"nchw {t_nchw:.3f}/{t_tn:.3f}"))
+        del x, xn
+        torch.cuda.empty_cache()
+    for C, H in UP_SHAPES:
+        name = f"up2x {C}x{H}^2"
+        x = torch.randn((1, C, H, H), device=DEV).to(torch.bfloat16).contiguous(memory_format=CL)
+        y = forced(up2.OP, x)
+        ok = bool(torch.equal(y, F.interpolate(x, scale_factor=2.0, mode="nearest")))
+        del y
+        xn = x.contiguous()
+        t_ours, h_ours, q1 = device_ms(lambda: forced(up2.OP, x))
+        t_tcl, _, _ = device_ms(lambda: F.interpolate(x, scale_factor=2.0, mode="nearest"))
+        t_tn, _, _ = device_ms(lambda: F.interpolate(xn, scale_factor=2.0, mode="nearest"))
+        gbs = 5 * x.numel() * 2 / (t_ours * 1e-3) / 1e9
+        note(name, ok=ok, ours_ms=round(t_ours, 4), torch_nhwc_ms=round(t_tcl, 4), torch_nchw_ms=round(t_tn, 4),
+             GBps=round(gbs), host_us=round(h_ours, 1))
+        rows.append((name, "OK" if ok else "FAIL", "bit-exact" if ok else "MISMATCH", f"{t_tcl:.3f}", f"{t_ours:.3f}",
+                     f"{t_tcl / t_ours:.1f}x", f"{gbs:.0f}", f"{100 * gbs * 1e9 / CEIL:.0f}%/3.7",
+                     f"{h_ours:.0f}" + ("" if q1 else "!"), f"nchw torch {t_tn:.3f}"))
+        del x, xn
+        torch.cuda.empty_cache()
+
+
+KCATS = (("cudnn conv", ("xmma_fprop", "implicit_gemm", "conv2d", "convolve", "cutlass", "sm90_", "dgrad")),
+         ("cudnn layout", ("nchwtonhwc", "nhwctonchw")),
+         ("ours", ("flux_numba",)),
+         ("attention", ("fmha", "attention", "flash")),
+         ("copies", ("direct_copy", "copy_kernel")))
+
+
+def kernel_breakdown(fn, top=12):
+    """Profiler: (total ms, {category: ms}, top kernels [(ms, calls, name)])."""
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0.0)
+        if t and ev.key and not ev.key.startswith(("cudaLaunch", "cudaDevice", "cudaStream", "cudaEvent")):
+            evs.append((t / 1e3, ev.count, ev.key))
+    cats = {}
+    for ms, _, k in evs:
+        kl = k.lower()
+        c = next((c for c, keys in KCATS if any(s in kl for s in keys)), "other")
+        cats[c] = round(cats.get(c, 0.0) + ms, 3)
+    evs.sort(reverse=True)
+    return round(sum(e[0] for e in evs), 3), cats, [(round(a, 3), n, k[:90]) for a, n, k in evs[:top]]
+
+
 # ----------------------------------------------------------------------------- decoder
 def comfy_decoder():
     p = os.environ.get("COMFYUI_PATH", os.path.join(ROOT, ".carry", "ComfyUI"))
@@ -268,7 +367,8 @@ def run_decoder():
         dec = M.Decoder(**cfg)
     init_(dec)
     dec = dec.eval().to(DEV, torch.bfloat16)
-    pat, counts = VP.patched_decoder(dec, backend="numba")
+    pat, counts = VP.patched_decoder(dec, backend="numba", layout="nchw")
+    pat_h, _ = VP.patched_decoder(dec, backend="numba", layout="nhwc")
     z = torch.randn(1, 16, 128, 128, device=DEV, dtype=torch.bfloat16)
     registry.strict = True
     with torch.no_grad():
@@ -276,10 +376,15 @@ def run_decoder():
         registry.take_usage()
         out_p = pat(z)
         used = registry.take_usage().get(gn.OP, {})
+        out_h = pat_h(z)
+        used_h = registry.take_usage()
         t_s = median_ms(lambda: dec(z), warm=2, rep=5)
         t_p = median_ms(lambda: pat(z), warm=2, rep=5)
+        t_h = median_ms(lambda: pat_h(z), warm=2, rep=5)
         gs, ts = gn_kernel_ms(lambda: dec(z))
         gp, tp = gn_kernel_ms(lambda: pat(z))
+        brk = {k: kernel_breakdown(f) for k, f in (("stock", lambda: dec(z)), ("nchw", lambda: pat(z)),
+                                                  ("nhwc", lambda: pat_h(z)))}
         with torch.device(DEV):
             d32 = M.Decoder(**cfg)
         d32.load_state_dict({k: v.float() for k, v in dec.state_dict().items()})
@@ -290,6 +395,20 @@ def run_decoder():
     nan = bool(torch.isnan(out_p).any())
     p_ps, p_sf, p_pf = psnr(out_p, out_s), psnr(out_s, out_f), psnr(out_p, out_f)
     ok = (not nan) and used == {"numba": 30} and p_pf >= p_sf - 3
+    nan_h = bool(torch.isnan(out_h).any())
+    h_ps, h_pf = psnr(out_h, out_s), psnr(out_h, out_f)
+    ok_h = (not nan_h and used_h.get(gnh.OP) == {"numba": 30} and used_h.get(up2.OP) == {"numba": 3}
+            and gn.OP not in used_h and out_h.is_contiguous() and h_pf >= p_sf - 0.5)
+    note("decoder 1024^2 bf16 nhwc", ok=ok_h, usage=used_h, ms=round(t_h, 2), stock_ms=round(t_s, 2),
+         nchw_ms=round(t_p, 2), speedup=round(t_s / t_h, 3), psnr_vs_stock=round(h_ps, 1),
+         psnr_vs_fp32=round(h_pf, 1), psnr_stock_vs_fp32=round(p_sf, 1), bar_30ms=t_h <= 30.0, breakdown=brk)
+    for k, (tot, cats, topk) in brk.items():
+        print(f"  kernels {k}: total {tot:.2f} ms, " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(cats.items())))
+        for t_, n_, k_ in topk:
+            print(f"      {t_:8.3f} ms {n_:4d}x  {k_}")
+    rows.append(("decoder 1024^2 nhwc", "OK" if ok_h else "FAIL", f"psnr {h_ps:.0f}dB/fp32 {h_pf:.1f}",
+                 f"{t_s:.2f}", f"{t_h:.2f}", f"{t_s / t_h:.2f}x", f"nchw {t_p:.2f}", f"fp32: stock {p_sf:.1f}",
+                 "", "bar <= 30: " + ("met" if t_h <= 30.0 else "NOT met")))
     note("decoder 1024^2 bf16", ok=ok, counts=counts, gn_calls=used, stock_ms=round(t_s, 2),
          patched_ms=round(t_p, 2), speedup=round(t_s / t_p, 3), psnr_patched_vs_stock=round(p_ps, 1),
          psnr_stock_vs_fp32=round(p_sf, 1), psnr_patched_vs_fp32=round(p_pf, 1),
@@ -317,7 +436,8 @@ def run_node_path():
         return
     from flux_numba_pack.nodes import vae_patch as VP
     vae = comfy.sd.VAE(sd=sd)
-    out = VP.FluxNumbaVAEPatch().patch(vae)[0]
+    out = VP.FluxNumbaVAEPatch().patch(vae)[0]                    # default: layout nhwc
+    out_n = VP.FluxNumbaVAEPatch().patch(vae, layout="nchw")[0]
     z = torch.randn(1, 16, 128, 128, generator=g)
     registry.take_usage()
     calls = []  # (x shape, backend) of every groupnorm_silu call of the patched decode
@@ -325,7 +445,7 @@ def run_node_path():
 
     def spy(op, *a, **k):
         r = real_call(op, *a, **k)
-        if op == gn.OP:
+        if op in (gn.OP, gnh.OP):
             calls.append((tuple(a[0].shape), registry.last[op]))
         return r
     with torch.inference_mode():  # as ComfyUI's executor runs nodes
@@ -335,11 +455,22 @@ def run_node_path():
             b = out.decode(z)  # backend "auto": the registry's autotune may pick torch where it is faster
         finally:
             del registry.call
-        used = registry.take_usage().get(gn.OP, {})
+        usage = registry.take_usage()
+        used = usage.get(gnh.OP, {})
         c = vae.decode(z)  # stock again: the object patch must be gone
         restored = type(vae.first_stage_model.decoder).__name__ == "Decoder"
         t_s = median_ms(lambda: vae.decode(z), warm=1, rep=3)
         t_p = median_ms(lambda: out.decode(z), warm=1, rep=3)
+        t_n = median_ms(lambda: out_n.decode(z), warm=1, rep=3)
+        p_n = psnr(out_n.decode(z), a)
+        try:  # ComfyUI's tiled decode (the OOM fallback) through the patched decoder
+            tl_s = vae.decode_tiled(z)
+            tl_p = out.decode_tiled(z)
+            p_tiled = psnr(tl_p, tl_s)
+            t_tl_s = median_ms(lambda: vae.decode_tiled(z), warm=0, rep=1)
+            t_tl_p = median_ms(lambda: out.decode_tiled(z), warm=0, rep=1)
+        except Exception as e:
+            p_tiled, t_tl_s, t_tl_p = f"{type(e).__name__}: {e}", None, None
     p = psnr(b, a)
     by_shape = {}
     for shp, be in calls:
@@ -351,11 +482,13 @@ def run_node_path():
                             and set(d) != {"numba"}})
     ok = (out is not vae and len(calls) == 30 and sum(used.values()) == 30 and not big_not_numba and restored
           and bool((a == c).all()) and p > 40)
-    note("node path VAE.decode 1024^2", ok=ok, gn_calls=used, by_shape=by_shape, big_not_numba=big_not_numba,
-         stock_restored=restored, stock_ms=round(t_s, 2), patched_ms=round(t_p, 2),
-         psnr_patched_vs_stock=round(p, 1), vae_dtype=str(vae.vae_dtype))
+    note("node path VAE.decode 1024^2", ok=ok, gn_calls=used, usage=usage, by_shape=by_shape,
+         big_not_numba=big_not_numba, stock_restored=restored, stock_ms=round(t_s, 2), patched_ms=round(t_p, 2),
+         nchw_ms=round(t_n, 2), psnr_nchw_vs_stock=round(p_n, 1), psnr_patched_vs_stock=round(p, 1),
+         vae_dtype=str(vae.vae_dtype), tiled_psnr=p_tiled, tiled_stock_ms=t_tl_s, tiled_patched_ms=t_tl_p)
     rows.append(("node VAE.decode", "OK" if ok else "FAIL", f"psnr {p:.0f}dB", f"{t_s:.2f}", f"{t_p:.2f}",
-                 f"{t_s / t_p:.2f}x", f"numba {used.get('numba', 0)}/30", "(incl. copy to CPU)", "", ""))
+                 f"{t_s / t_p:.2f}x", f"numba {used.get('numba', 0)}/30", "(incl. copy to CPU)", "",
+                 f"nchw {t_n:.2f}"))
 
 
 def main():
@@ -381,6 +514,13 @@ def main():
     keep = None
     torch.cuda.empty_cache()
     try:
+        run_nhwc_kernels()
+    except Exception as e:
+        traceback.print_exc()
+        note("nhwc kernels", ok=False, error=f"{type(e).__name__}: {e}")
+        rows.append(("nhwc kernels", "ERROR", str(e)[:40], "", "", "", "", "", "", ""))
+    torch.cuda.empty_cache()
+    try:
         run_decoder()
     except Exception as e:
         traceback.print_exc()
@@ -388,7 +528,7 @@ def main():
         rows.append(("decoder", "ERROR", str(e)[:40], "", "", "", "", "", "", ""))
     torch.cuda.empty_cache()
     try:
-        if time.time() - T0 < 90:
+        if time.time() - T0 < 240:
             run_node_path()
         else:
             note("node path", skipped="time budget")

@@ -55,6 +55,14 @@ def warm_calls(device) -> List[Tuple[str, str, Callable]]:
         ("attention", "numba", lambda: registry.call("attention", q, q, q, None)),
         ("attention", "numba-8bit", lambda: _warm_8bit(qkv_t, qkv_i, s, pe, H, q)),
         ("groupnorm_silu", "numba", lambda: registry.call("groupnorm_silu", gn, 32, w, w, 1e-6, True)),
+        # the NHWC VAE decoder's kernels (specialised per channel count: the decoder's three)
+        ("groupnorm_silu_nhwc", "numba", lambda: [
+            registry.call("groupnorm_silu_nhwc", t, 32, t.new_ones(c), t.new_zeros(c), 1e-6, silu)
+            for c, silu in ((128, True), (256, True), (512, True), (512, False))
+            for t in [r(1, c, 4, 4).contiguous(memory_format=torch.channels_last)]]),
+        ("upsample_nearest2x", "numba", lambda: [
+            registry.call("upsample_nearest2x", r(1, c, 4, 4).contiguous(memory_format=torch.channels_last))
+            for c in (256, 512)]),
         # the fast profile's quantising kernels (FP8_OPS: warmed only for that profile)
         ("ln_modulate_fp8", "numba", lambda: registry.call("ln_modulate_fp8", x, sh, sc, 1e-6)),
         ("gated_residual_ln_modulate_fp8", "numba",

@@ -1,10 +1,10 @@
-"""FluxNumbaVAEPatch: route the FLUX VAE decoder's GroupNorm(+SiLU) pairs through the op registry.
+"""FluxNumbaVAEPatch: the FLUX VAE decoder through the op registry, NHWC end to end.
 
 VAE -> VAE.  The input VAE object is never mutated: the node returns a shallow copy whose
 ``patcher`` is a ``ModelPatcher.clone()`` carrying ONE object patch, ``"decoder"`` -> a patched
 copy of the decoder.  The copy is a tree of *cloned module objects* (fresh ``__dict__`` /
-``_modules``) down to each ResnetBlock / AttnBlock, whose class is a thin subclass with a
-patched ``forward``; every leaf (conv, GroupNorm, their parameters) is the original object, so
+``_modules``) down to each ResnetBlock / AttnBlock / Upsample, whose class is a thin subclass with
+a patched ``forward``; every leaf (conv, GroupNorm, their parameters) is the original object, so
 weights are shared, state-dict keys are unchanged, and ComfyUI's loading / low-VRAM casting /
 offloading act on the same parameters.
 
@@ -12,12 +12,24 @@ ComfyUI applies the object patch when it loads this VAE's patcher (``VAE.decode`
 tiled decoders call ``load_models_gpu([self.patcher])`` first) and restores the stock decoder
 when the original VAE's patcher is loaded again (``unpatch_model`` restores object patches
 from the backup shared by clones).  Tiled decode and the mid-block attention (``AttnBlock``
-keeps its ``optimized_attention``) work unchanged: only ``norm -> swish`` pairs change.
+keeps its ``optimized_attention``) work unchanged.
 
+Layout "nhwc" (default; bf16 decoders, backend not "torch"): the latent is made channels_last once
+at entry and the image NCHW once at exit; in between every activation stays channels_last, so
+each of ComfyUI's own convolutions (its ops, its weight casting) runs cuDNN's NHWC implicit GEMM
+without the nchwToNhwc / nhwcToNchw conversions cuDNN wraps around an NCHW bf16 convolution (8.1 ms
+of a 1024^2 decode).  The ops between the convolutions that torch runs slowly on channels_last
+memory are ours: GroupNorm(+SiLU) -> ``groupnorm_silu_nhwc``, the Upsample's nearest 2x ->
+``upsample_nearest2x``; residual adds and ComfyUI's VAE attention take the channels_last tensors as
+they are.  An exception inside the NHWC path (other than out-of-memory, which ComfyUI's own
+tiled fallback handles) is logged once and that latent shape then runs the NCHW path.
+Layout "nchw" (and fp32 / fp16 VAEs, decoder keyword arguments): stock memory layout with the
+GroupNorm(+SiLU) pairs routed through ``groupnorm_silu``.
 Patched call sites (2-D decoders only; anything else runs the stock forward):
-  ResnetBlock: norm1+swish, norm2+swish -> ``groupnorm_silu(..., silu=True)``
-  AttnBlock:   norm                     -> ``groupnorm_silu(..., silu=False)``
-  Decoder:     norm_out+nonlinearity    -> ``groupnorm_silu(..., silu=True)``
+  ResnetBlock: norm1+swish, norm2+swish -> ``groupnorm_silu[_nhwc](..., silu=True)``
+  AttnBlock:   norm                     -> ``groupnorm_silu[_nhwc](..., silu=False)``
+  Decoder:     norm_out+nonlinearity    -> ``groupnorm_silu[_nhwc](..., silu=True)``
+  Upsample:    nearest 2x of a channels_last x -> ``upsample_nearest2x``, then its conv
 
 No ComfyUI import at module level (schema tests import this without ComfyUI).
 """
@@ -35,8 +47,12 @@ from .host import op_weights
 log = logging.getLogger("flux_numba")
 
 OP = "groupnorm_silu"
+NHWC_OP = "groupnorm_silu_nhwc"
+UP_OP = "upsample_nearest2x"
 NODE_ID = "FluxNumbaVAEPatch"
 BACKENDS = ("auto", "numba", "torch")
+LAYOUTS = ("nhwc", "nchw")
+CL = torch.channels_last
 
 _run_every_op = None
 
@@ -52,16 +68,21 @@ def _every_op():
     _run_every_op()
 
 
+def _is_nhwc(x):
+    """x is a 4-D channels_last activation (the NHWC path's), not a plain NCHW one."""
+    return x.ndim == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=CL)
+
+
 def group_norm_act(norm, x, silu: bool):
     """``norm(x)`` (+ SiLU) through the registry, honouring ComfyUI's weight casting."""
     _every_op()
     with op_weights(norm, x) as (w, b):
-        return registry.call(OP, x, norm.num_groups, w, b, norm.eps, silu=silu)
+        return registry.call(NHWC_OP if _is_nhwc(x) else OP, x, norm.num_groups, w, b, norm.eps, silu=silu)
 
 
 def _backend_ctx(mod):
     b = getattr(mod, "_flux_numba_backend", "auto")
-    return contextlib.nullcontext() if b == "auto" else registry.force(b, ops=[OP])
+    return contextlib.nullcontext() if b == "auto" else registry.force(b, ops=[OP, NHWC_OP, UP_OP])
 
 
 # ------------------------------------------------------------------ patched forwards
@@ -92,28 +113,74 @@ def _attn_forward(self, x, **kwargs):
     return x + h_
 
 
+def _is_2x(sf):
+    return sf in (2, 2.0) or (isinstance(sf, (tuple, list)) and len(sf) == 2 and all(v in (2, 2.0) for v in sf))
+
+
+def _upsample_forward(self, x, *args, **kwargs):
+    base = type(self).__mro__[1]
+    if kwargs or any(a is not None for a in args) or not _is_nhwc(x) or not _is_2x(self.scale_factor):
+        return base.forward(self, x, *args, **kwargs)
+    x = registry.call(UP_OP, x)
+    if self.with_conv:
+        x = self.conv(x)
+    return x
+
+
+def _decoder_body(self, z, kwargs):
+    temb = None
+    h = self.conv_in(z)
+    h = self.mid.block_1(h, temb, **kwargs)
+    h = self.mid.attn_1(h, **kwargs)
+    h = self.mid.block_2(h, temb, **kwargs)
+    for i_level in reversed(range(self.num_resolutions)):
+        for i_block in range(self.num_res_blocks + 1):
+            h = self.up[i_level].block[i_block](h, temb, None, None, **kwargs)
+            if len(self.up[i_level].attn) > 0:
+                h = self.up[i_level].attn[i_block](h, **kwargs)
+        if i_level != 0:
+            h = self.up[i_level].upsample(h, None, None)
+    h = group_norm_act(self.norm_out, h, True)
+    h = self.conv_out(h)
+    if self.tanh_out:
+        h = torch.tanh(h)
+    return h
+
+
+def _nhwc_why(self, z, kwargs):
+    """None when this call runs the NHWC path, else why not."""
+    if getattr(self, "_flux_numba_layout", "nchw") != "nhwc":
+        return "layout nchw"
+    if getattr(self, "_flux_numba_backend", "auto") == "torch":
+        return "backend torch (stock math, stock layout)"
+    if kwargs:
+        return "decoder keyword arguments"
+    if z.dtype != torch.bfloat16:
+        return f"VAE dtype {z.dtype} (the NHWC path is bf16)"
+    if tuple(z.shape) in self.__dict__.get("_flux_numba_nhwc_failed", ()):
+        return "the NHWC path failed for this shape"
+    return None
+
+
+def _is_oom(e):
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
 def _decoder_forward(self, z, **kwargs):
     base = type(self).__mro__[1]
     if z.ndim != 4 or self.carried:
         return base.forward(self, z, **kwargs)
     with _backend_ctx(self):
-        temb = None
-        h = self.conv_in(z)
-        h = self.mid.block_1(h, temb, **kwargs)
-        h = self.mid.attn_1(h, **kwargs)
-        h = self.mid.block_2(h, temb, **kwargs)
-        for i_level in reversed(range(self.num_resolutions)):
-            for i_block in range(self.num_res_blocks + 1):
-                h = self.up[i_level].block[i_block](h, temb, None, None, **kwargs)
-                if len(self.up[i_level].attn) > 0:
-                    h = self.up[i_level].attn[i_block](h, **kwargs)
-            if i_level != 0:
-                h = self.up[i_level].upsample(h, None, None)
-        h = group_norm_act(self.norm_out, h, True)
-        h = self.conv_out(h)
-        if self.tanh_out:
-            h = torch.tanh(h)
-        return h
+        if _nhwc_why(self, z, kwargs) is None:
+            try:
+                return _decoder_body(self, z.contiguous(memory_format=CL), kwargs).contiguous()
+            except Exception as e:  # logged once; this shape then runs the NCHW path
+                if registry.strict or _is_oom(e):
+                    raise
+                self.__dict__.setdefault("_flux_numba_nhwc_failed", set()).add(tuple(z.shape))
+                log.warning("[flux_numba] %s: NHWC decoder path failed for latent %s (%s: %s); "
+                            "that shape runs the NCHW path", NODE_ID, tuple(z.shape), type(e).__name__, e)
+        return _decoder_body(self, z, kwargs)
 
 
 _CLASSES = {}
@@ -136,12 +203,13 @@ def _clone_module(m, cls):
     return new
 
 
-def patched_decoder(decoder, backend: str = "auto"):
+def patched_decoder(decoder, backend: str = "auto", layout: str = "nhwc"):
     """Return (patched clone of ``decoder``, counts).  ``decoder`` itself is not modified."""
     import comfy.ldm.modules.diffusionmodules.model as M
 
-    table = {M.ResnetBlock: _resnet_forward, M.AttnBlock: _attn_forward, M.Decoder: _decoder_forward}
-    counts = {"ResnetBlock": 0, "AttnBlock": 0, "Decoder": 0}
+    table = {M.ResnetBlock: _resnet_forward, M.AttnBlock: _attn_forward, M.Decoder: _decoder_forward,
+             M.Upsample: _upsample_forward}
+    counts = {"ResnetBlock": 0, "AttnBlock": 0, "Decoder": 0, "Upsample": 0}
 
     def rebuild(m):
         fwd = table.get(type(m))  # exact types only: subclasses may have other forwards
@@ -156,6 +224,8 @@ def patched_decoder(decoder, backend: str = "auto"):
 
     new = rebuild(decoder)
     new._flux_numba_backend = backend
+    new._flux_numba_layout = layout
+    new.__dict__.pop("_flux_numba_nhwc_failed", None)
     return new, counts
 
 
@@ -185,12 +255,12 @@ def why_not_patchable(vae):
     return None
 
 
-def patch_vae(vae, backend: str = "auto"):
+def patch_vae(vae, backend: str = "auto", layout: str = "nhwc"):
     """Clone ``vae`` with the patched decoder as an object patch; returns (vae, info or reason str)."""
     why = why_not_patchable(vae)
     if why:
         return vae, why
-    dec, counts = patched_decoder(vae.first_stage_model.decoder, backend)
+    dec, counts = patched_decoder(vae.first_stage_model.decoder, backend, layout)
     out = copy.copy(vae)
     out.patcher = vae.patcher.clone()
     out.patcher.add_object_patch("decoder", dec)
@@ -204,8 +274,9 @@ class FluxNumbaVAEPatch:
     RETURN_TYPES = ("VAE",)
     RETURN_NAMES = ("vae",)
     FUNCTION = "patch"
-    DESCRIPTION = ("Clones the VAE and routes the FLUX VAE decoder's GroupNorm+SiLU pairs through fused "
-                   "Numba-CUDA kernels. The input VAE is untouched; other VAEs pass through.")
+    DESCRIPTION = ("Clones the VAE and runs the FLUX VAE decoder NHWC end to end: fused GroupNorm+SiLU and "
+                   "upsample Numba-CUDA kernels between cuDNN's NHWC convolutions (no layout conversions). "
+                   "The input VAE is untouched; other VAEs pass through.")
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -214,13 +285,22 @@ class FluxNumbaVAEPatch:
                 "vae": ("VAE",),
                 "enabled": ("BOOLEAN", {"default": True}),
                 "backend": (list(BACKENDS), {"default": "auto",
-                                             "tooltip": "auto: fastest accepted backend; torch: stock math (A/B)"}),
-            }
+                                             "tooltip": "auto: fastest accepted backend; torch: stock math and "
+                                                        "layout (A/B)"}),
+            },
+            "optional": {
+                "layout": (list(LAYOUTS), {"default": "nhwc",
+                                           "tooltip": "nhwc: the whole bf16 decoder channels_last (cuDNN's NHWC "
+                                                      "convolutions, no layout conversions; measured faster); "
+                                                      "nchw: stock layout, fused GroupNorm+SiLU only"}),
+            },
         }
 
-    def patch(self, vae, enabled=True, backend="auto"):
+    def patch(self, vae, enabled=True, backend="auto", layout="nhwc"):
         if backend not in BACKENDS:
             raise ValueError(f"{NODE_ID}: backend must be one of {list(BACKENDS)}, got {backend!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"{NODE_ID}: layout must be one of {list(LAYOUTS)}, got {layout!r}")
         if not isinstance(enabled, (bool, int)):
             raise ValueError(f"{NODE_ID}: enabled must be a boolean, got {enabled!r}")
         if not enabled:
@@ -232,14 +312,15 @@ class FluxNumbaVAEPatch:
         if why:
             log.warning("[flux_numba] %s passes the VAE through unpatched: %s", NODE_ID, why)
             return (vae,)
-        out, info = patch_vae(vae, backend)
+        out, info = patch_vae(vae, backend, layout)
         if isinstance(info, str):
             log.info("[flux_numba] %s passes the VAE through unpatched: %s", NODE_ID, info)
             return (vae,)
-        log.info("[flux_numba] %s: decoder patched (%d ResnetBlocks, %d AttnBlocks, norm_out), backend %s",
-                 NODE_ID, info["ResnetBlock"], info["AttnBlock"], backend)
+        log.info("[flux_numba] %s: decoder patched (%d ResnetBlocks, %d AttnBlocks, %d Upsamples, norm_out), "
+                 "backend %s, layout %s", NODE_ID, info["ResnetBlock"], info["AttnBlock"], info["Upsample"],
+                 backend, layout)
         return (out,)
 
 
 NODE_CLASS_MAPPINGS = {NODE_ID: FluxNumbaVAEPatch}
-NODE_DISPLAY_NAME_MAPPINGS = {NODE_ID: "FLUX VAE Patch (Numba GroupNorm+SiLU)"}
+NODE_DISPLAY_NAME_MAPPINGS = {NODE_ID: "FLUX VAE Patch (Numba GroupNorm+SiLU, NHWC)"}

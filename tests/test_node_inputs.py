@@ -72,7 +72,8 @@ def test_loader_bad_weight_dtype_and_name(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("kw,match", [({"backend": "cuda"}, "backend must be one of"),
-                                      ({"enabled": "yes"}, "enabled must be a boolean")])
+                                      ({"enabled": "yes"}, "enabled must be a boolean"),
+                                      ({"layout": "NCHW"}, "layout must be one of")])
 def test_vae_patch_bad_widget(kw, match):
     with pytest.raises(ValueError, match=rf"^FluxNumbaVAEPatch: {match}"):
         vae_patch.FluxNumbaVAEPatch().patch(vae=None, **kw)

@@ -167,6 +167,8 @@ def test_node_schema_without_comfyui():
     assert req["vae"] == ("VAE",)
     assert req["enabled"][0] == "BOOLEAN"
     assert list(req["backend"][0]) == ["auto", "numba", "torch"]
+    opt = cls.INPUT_TYPES()["optional"]  # optional: workflows saved before it still validate
+    assert list(opt["layout"][0]) == ["nhwc", "nchw"] and opt["layout"][1]["default"] == "nhwc"
     other = types.SimpleNamespace(first_stage_model=None, patcher=None, latent_channels=4)
     assert cls().patch(other)[0] is other  # not patchable: passes through
     assert cls().patch(other, enabled=False)[0] is other
@@ -244,3 +246,115 @@ def test_decoder_patched_matches_stock(strict):
     # a non-FLUX (4-channel) VAE passes through
     sd_vae = types.SimpleNamespace(first_stage_model=fsm, latent_channels=4, patcher=vae.patcher)
     assert node.patch(sd_vae)[0] is sd_vae
+
+
+def _bf16_vae(M):
+    import comfy.model_patcher
+    dec = _small_decoder(M, torch.bfloat16)
+    fsm = torch.nn.Module()
+    fsm.decoder = dec
+    dev = torch.device(DEV)
+    vae = types.SimpleNamespace(first_stage_model=fsm, latent_channels=16,
+                                patcher=comfy.model_patcher.ModelPatcher(fsm, load_device=dev, offload_device=dev))
+    return dec, fsm, vae
+
+
+def _decode(vae, fsm, z, **patch_kw):
+    """(patched decoder output, registry usage) with ``vae`` patched by the node, then unpatched."""
+    out = _node_module().FluxNumbaVAEPatch().patch(vae, **patch_kw)[0]
+    out.patcher.patch_model(load_weights=False)
+    try:
+        registry.take_usage()
+        with torch.no_grad():
+            got = fsm.decoder(z)
+        return got, registry.take_usage()
+    finally:
+        vae.patcher.unpatch_model()
+
+
+@pytest.mark.comfyui
+def test_decoder_nhwc_matches_stock(strict):
+    """bf16 decoder, layout nhwc: channels_last between entry and exit, every GroupNorm and the
+    upsample on the Numba NHWC kernels, NCHW image out; close to stock bf16 and to fp32."""
+    M = _comfy()
+    dec, fsm, vae = _bf16_vae(M)
+    z = torch.randn(2, 16, 3, 5, device=DEV).to(torch.bfloat16)   # 2 images, odd latent
+    with torch.no_grad():
+        stock = fsm.decoder(z).float()
+        fp32 = _small_decoder(M, torch.float32)(z.float())
+    seen = []
+    conv = type(dec.conv_out).forward
+
+    def spy(self, x, *a, **k):  # every convolution of the NHWC path gets channels_last input
+        seen.append(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+        return conv(self, x, *a, **k)
+
+    type(dec.conv_out).forward = spy
+    try:
+        with registry.force("numba", ops=["groupnorm_silu_nhwc", "upsample_nearest2x"]):
+            got, used = _decode(vae, fsm, z)
+    finally:
+        type(dec.conv_out).forward = conv
+    assert used.get("groupnorm_silu_nhwc") == {"numba": 14}, used   # 6 ResnetBlocks x 2 + mid attn + norm_out
+    assert used.get("upsample_nearest2x") == {"numba": 1}, used
+    assert "groupnorm_silu" not in used
+    assert seen and all(seen), seen
+    assert got.dtype == torch.bfloat16 and got.is_contiguous() and got.shape == stock.shape
+    e_ours = ((got.float() - fp32).norm() / fp32.norm()).item()
+    e_stock = ((stock - fp32).norm() / fp32.norm()).item()
+    assert e_ours <= 1.5 * e_stock + 1e-3, (e_ours, e_stock)
+
+
+@pytest.mark.comfyui
+def test_decoder_nhwc_layout_choice(strict):
+    """layout nchw, backend torch and an fp32 VAE keep the stock layout (the NCHW op runs)."""
+    M = _comfy()
+    dec, fsm, vae = _bf16_vae(M)
+    z = torch.randn(1, 16, 2, 3, device=DEV).to(torch.bfloat16)
+    _, used = _decode(vae, fsm, z, layout="nchw")
+    assert "groupnorm_silu_nhwc" not in used and "upsample_nearest2x" not in used, used
+    _, used = _decode(vae, fsm, z, backend="torch")
+    assert used.get("groupnorm_silu") == {"torch": 14} and "groupnorm_silu_nhwc" not in used, used
+    fsm.decoder = dec.float()
+    _, used = _decode(vae, fsm, z.float())
+    assert "groupnorm_silu_nhwc" not in used, used
+
+
+@pytest.mark.comfyui
+def test_decoder_nhwc_failure_runs_nchw(monkeypatch, caplog):
+    """An error inside the NHWC path: logged once, that latent shape then runs the NCHW path (and
+    gives the stock-layout result); out-of-memory is re-raised for ComfyUI's tiled fallback."""
+    M = _comfy()
+    VP = _node_module()
+    dec, fsm, vae = _bf16_vae(M)
+    z = torch.randn(1, 16, 2, 3, device=DEV).to(torch.bfloat16)
+    ref, _ = _decode(vae, fsm, z, layout="nchw")
+    calls = []
+    real = VP._upsample_forward
+
+    def boom(self, x, *a, **k):
+        calls.append(VP._is_nhwc(x))
+        if VP._is_nhwc(x):
+            raise RuntimeError("injected")
+        return real(self, x, *a, **k)
+
+    monkeypatch.setattr(registry, "strict", False)
+    out = VP.FluxNumbaVAEPatch().patch(vae)[0]
+    out.patcher.patch_model(load_weights=False)
+    try:
+        up = fsm.decoder.up[1].upsample
+        monkeypatch.setattr(type(up), "forward", boom)
+        with torch.no_grad(), caplog.at_level("WARNING", logger="flux_numba"):
+            a = fsm.decoder(z)
+            b = fsm.decoder(z)
+        assert calls == [True, False, False], calls        # NHWC once, then NCHW for this shape
+        assert sum("NHWC decoder path failed" in r.getMessage() for r in caplog.records) == 1
+        torch.testing.assert_close(a, ref) and torch.testing.assert_close(b, ref)
+
+        def oom(self, x, *a, **k):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        monkeypatch.setattr(type(up), "forward", oom)
+        with torch.no_grad(), pytest.raises(torch.cuda.OutOfMemoryError):
+            fsm.decoder(torch.randn(1, 16, 3, 3, device=DEV).to(torch.bfloat16))
+    finally:
+        vae.patcher.unpatch_model()

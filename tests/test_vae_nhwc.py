@@ -1,0 +1,156 @@
+"""groupnorm_silu_nhwc and upsample_nearest2x (the NHWC VAE decoder's kernels) against their torch
+references on fresh random inputs: simulator-sized shapes here; FLUX_NUMBA_REAL_GPU=1 adds the
+decoder's shapes on a GPU."""
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flux_numba_pack.cuda_kernels import registry, runtime
+from flux_numba_pack.cuda_kernels import groupnorm_silu_nhwc as gnh
+from flux_numba_pack.cuda_kernels import upsample_nearest2x as up
+
+DEV = "cpu" if runtime.SIMULATOR else "cuda"
+CL = torch.channels_last
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_simulator():
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)
+    yield
+    sys.setswitchinterval(old)
+
+
+@pytest.fixture
+def strict():
+    old = registry.strict
+    registry.strict = True
+    yield
+    registry.strict = old
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every buffer the launchers allocate (output, partials, coefficients) starts as NaN."""
+    empty_like, empty = torch.empty_like, torch.empty
+
+    def nan_like(t, *a, **k):
+        return empty_like(t, *a, **k).fill_(float("nan"))
+
+    def nan_empty(*a, **k):
+        out = empty(*a, **k)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    for m in (gnh, up):
+        monkeypatch.setattr(m.torch, "empty_like", nan_like)
+        monkeypatch.setattr(m.torch, "empty", nan_empty)
+
+
+def _inputs(shape, wdtype, mean=0.0, scale=2.0, seed=None):
+    g = torch.Generator()
+    g.manual_seed(torch.seed() if seed is None else seed)      # fresh inputs every run
+    x = (torch.randn(shape, generator=g) * scale + mean).to(torch.bfloat16)
+    C = shape[1]
+    w = (1 + 0.5 * torch.randn(C, generator=g)).to(wdtype)
+    b = (0.5 * torch.randn(C, generator=g)).to(wdtype)
+    return x.to(DEV).contiguous(memory_format=CL), w.to(DEV), b.to(DEV)
+
+
+def _call(op, *args, **kw):
+    with registry.force("numba", ops=[op]):
+        y = registry.call(op, *args, **kw)
+    assert registry.last[op] == "numba"
+    return y
+
+
+def _fp32_gn(x, G, w, b, eps, silu):
+    y = F.group_norm(x.float(), G, w.float(), b.float(), eps)
+    return F.silu(y) if silu else y
+
+
+GN_CASES = [
+    # shape,            groups, w dtype,        silu   (channels per group -> groups per column)
+    ((1, 64, 5, 7), 32, torch.bfloat16, True),     # cpg 2: 4 groups in one 16-byte column, odd H W
+    ((2, 128, 4, 6), 32, torch.float32, True),     # cpg 4 (the decoder's 128 ch), 2 samples, fp32 affine
+    ((2, 256, 3, 5), 32, torch.bfloat16, False),   # cpg 8: one group per column, no SiLU
+    ((1, 64, 9, 8), 4, torch.bfloat16, True),      # cpg 16: two columns per group
+    ((1, 32, 16, 16), 32, torch.bfloat16, True),   # cpg 1, main loops (>= U R pixels per chunk)
+]
+
+
+@pytest.mark.parametrize("shape,G,wdt,silu", GN_CASES)
+def test_groupnorm_silu_nhwc_matches_reference(shape, G, wdt, silu, strict, poison):
+    x, w, b = _inputs(shape, wdt)
+    y = _call(gnh.OP, x, G, w, b, 1e-6, silu=silu)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16 and y.is_contiguous(memory_format=CL)
+    assert not torch.isnan(y).any()
+    ref = _fp32_gn(x, G, w, b, 1e-6, silu)
+    stock = gnh.reference(x, G, w.to(x.dtype), b.to(x.dtype), 1e-6, silu)
+    err, err_stock = (y.float() - ref).abs().max().item(), (stock.float() - ref).abs().max().item()
+    assert err <= max(2 * err_stock, 1.6e-2 * ref.abs().max().item()), (err, err_stock)
+
+
+def test_groupnorm_silu_nhwc_multi_chunk(strict, poison, monkeypatch):
+    """Several statistics blocks per sample (partials merged in the coefficient kernel), as on the GPU."""
+    monkeypatch.setattr(gnh, "MAX_S", 8)
+    monkeypatch.setattr(gnh, "_chunks", lambda N, HW, R: 4)
+    x, w, b = _inputs((2, 64, 8, 10), torch.bfloat16)
+    y = _call(gnh.OP, x, 32, w, b, 1e-6, silu=True)
+    torch.testing.assert_close(y.float(), _fp32_gn(x, 32, w, b, 1e-6, True), atol=2e-2, rtol=1.6e-2)
+
+
+def test_groupnorm_silu_nhwc_large_mean(strict, poison):
+    """mean 300, std 1 (bf16 steps of 2 there): Chan merges keep the variance."""
+    x, w, b = _inputs((1, 64, 6, 6), torch.float32, mean=300.0, scale=4.0)
+    y = _call(gnh.OP, x, 32, w, b, 1e-6, silu=False)
+    ref = F.group_norm(x.double(), 32, w.double(), b.double(), 1e-6)
+    assert (y.double() - ref).abs().max().item() < 3e-2
+
+
+def test_groupnorm_silu_nhwc_check():
+    x, w, b = _inputs((1, 64, 4, 4), torch.bfloat16)
+    assert gnh.check(x, 32, w, b) is None
+    assert gnh.check(x.contiguous(), 32, w, b) is not None          # NCHW memory
+    assert gnh.check(x.float(), 32, w, b) is not None               # bf16 only
+    assert gnh.check(x[:, :60], 30, w[:60], b[:60]) is not None     # C % 8
+    assert gnh.check(x, 32, None, b) is not None
+    x3, w3, b3 = _inputs((1, 96, 4, 4), torch.bfloat16)
+    assert gnh.check(x3, 32, w3, b3) is not None                    # cpg 3 neither divides nor is a multiple of 8
+
+
+UP_CASES = [
+    ((1, 8, 3, 5), torch.bfloat16),     # one 16-byte column per pixel, odd H W
+    ((2, 64, 4, 3), torch.bfloat16),    # 8 columns, 2 samples
+    ((1, 12, 2, 7), torch.float32),     # fp32: 48 bytes per pixel
+]
+
+
+@pytest.mark.parametrize("shape,dt", UP_CASES)
+def test_upsample_nearest2x_matches_reference(shape, dt, strict, poison):
+    x = torch.randn(shape).to(dt).to(DEV).contiguous(memory_format=CL)
+    y = _call(up.OP, x)
+    assert y.is_contiguous(memory_format=CL) and y.shape == (shape[0], shape[1], 2 * shape[2], 2 * shape[3])
+    assert torch.equal(y, F.interpolate(x, scale_factor=2.0, mode="nearest"))   # a copy: bit-exact
+
+
+def test_upsample_check():
+    x = torch.randn(1, 8, 3, 3).to(torch.bfloat16).to(DEV)
+    assert up.check(x.contiguous(memory_format=CL)) is None
+    assert up.check(x) is not None                                   # NCHW
+    assert up.check(x[:, :4].contiguous(memory_format=CL)) is not None   # 8 bytes per pixel
+
+
+@pytest.mark.skipif(runtime.SIMULATOR, reason="decoder shapes need a GPU (FLUX_NUMBA_REAL_GPU=1)")
+@pytest.mark.parametrize("C,H", [(512, 128), (512, 256), (512, 512), (256, 512), (256, 1024), (128, 1024)])
+def test_decoder_shapes_gpu(C, H, strict):
+    x, w, b = _inputs((1, C, H, H), torch.bfloat16)
+    y = _call(gnh.OP, x, 32, w, b, 1e-6, silu=True)
+    ref = _fp32_gn(x, 32, w, b, 1e-6, True)
+    stock = gnh.reference(x, 32, w, b, 1e-6, True)
+    e, es = (y.float() - ref).norm() / ref.norm(), (stock.float() - ref).norm() / ref.norm()
+    assert e <= 1.2 * es + 1e-4, (e.item(), es.item())
+    if H <= 512:
+        u = _call(up.OP, x)
+        assert torch.equal(u, F.interpolate(x, scale_factor=2.0, mode="nearest"))
