@@ -1,6 +1,6 @@
 """GPU check + timing of groupnorm_silu and of ComfyUI's FLUX VAE decoder, stock vs patched.
 
-    FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=.carry/ComfyUI python bench/gpu_vae.py
+    FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=.carry/ComfyUI python bench/gpu_vae.py [--decoder-only]
 
 1. groupnorm_silu at the decoder's shapes (bf16, plus fp32 / silu off / large-mean cases):
    error vs an fp32 reference (relative Frobenius + max abs, next to stock bf16's own error),
@@ -494,7 +494,8 @@ def run_node_path():
 def main():
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     keep = None
-    for c in CASES:
+    only_dec = "--decoder-only" in sys.argv    # skip 1. and 4.'s kernel tables (e.g. a second ComfyUI tree)
+    for c in ([] if only_dec else CASES):
         try:
             r = run_case(*c)
             if c[0] == "128x1024^2":
@@ -514,7 +515,8 @@ def main():
     keep = None
     torch.cuda.empty_cache()
     try:
-        run_nhwc_kernels()
+        if not only_dec:
+            run_nhwc_kernels()
     except Exception as e:
         traceback.print_exc()
         note("nhwc kernels", ok=False, error=f"{type(e).__name__}: {e}")
