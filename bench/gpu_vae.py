@@ -48,6 +48,7 @@ from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import groupnorm_silu as gn  # noqa: E402
 from flux_numba_pack.cuda_kernels import groupnorm_silu_nhwc as gnh  # noqa: E402
 from flux_numba_pack.cuda_kernels import upsample_nearest2x as up2  # noqa: E402
+from flux_numba_pack.cuda_kernels import bias_residual_nhwc as brn  # noqa: E402
 from flux_numba_pack.flux_core import harness  # noqa: E402
 
 T0 = time.time()
@@ -211,6 +212,7 @@ def split_and_overhead(x, w, b):
 # ----------------------------------------------------------------------------- NHWC kernels
 NHWC_SHAPES = [(512, 128), (512, 256), (512, 512), (256, 512), (256, 1024), (128, 1024)]
 UP_SHAPES = [(512, 128), (512, 256), (256, 512)]
+BR_SHAPES = [(512, 128), (512, 256), (256, 512), (128, 1024)]
 CL = torch.channels_last
 
 
@@ -268,6 +270,29 @@ def run_nhwc_kernels():
                      f"{t_tcl / t_ours:.1f}x", f"{gbs:.0f}", f"{100 * gbs * 1e9 / CEIL:.0f}%/3.7",
                      f"{h_ours:.0f}" + ("" if q1 else "!"), f"nchw torch {t_tn:.3f}"))
         del x, xn
+        torch.cuda.empty_cache()
+
+
+    for C, H in BR_SHAPES:
+        name = f"bias+res {C}x{H}^2"
+        y0 = torch.randn((1, C, H, H), device=DEV).to(torch.bfloat16).contiguous(memory_format=CL)
+        r = torch.randn_like(y0)
+        bias = torch.randn(C, device=DEV).to(torch.bfloat16)
+        y = forced(brn.OP, y0.clone(), bias, r)
+        exact = y0.float() + bias.float().view(1, -1, 1, 1) + r.float()
+        ok = (y.float() - exact).abs().max().item() <= 2 ** -7 * exact.abs().max().item()
+        del y, exact
+        yy = y0.clone()
+        t_ours, h_ours, q1 = device_ms(lambda: forced(brn.OP, yy, bias, r))
+        t_t, _, _ = device_ms(lambda: yy.add_(bias.view(1, -1, 1, 1)).add_(r))   # torch: cuDNN's bias add, x + h
+        t_b, _, _ = device_ms(lambda: yy.add_(bias.view(1, -1, 1, 1)))
+        gbs = 3 * y0.numel() * 2 / (t_ours * 1e-3) / 1e9
+        note(name, ok=ok, ours_ms=round(t_ours, 4), torch_bias_then_add_ms=round(t_t, 4), torch_bias_ms=round(t_b, 4),
+             GBps=round(gbs), host_us=round(h_ours, 1))
+        rows.append((name, "OK" if ok else "FAIL", "1 rounding", f"{t_t:.3f}", f"{t_ours:.3f}", f"{t_t / t_ours:.1f}x",
+                     f"{gbs:.0f}", f"{100 * gbs * 1e9 / CEIL:.0f}%/3.7", f"{h_ours:.0f}" + ("" if q1 else "!"),
+                     f"torch bias alone {t_b:.3f}"))
+        del y0, r, yy
         torch.cuda.empty_cache()
 
 
@@ -368,7 +393,7 @@ def run_decoder():
     init_(dec)
     dec = dec.eval().to(DEV, torch.bfloat16)
     pat, counts = VP.patched_decoder(dec, backend="numba", layout="nchw")
-    pat_h, _ = VP.patched_decoder(dec, backend="numba", layout="nhwc")
+    pat_h, _ = VP.patched_decoder(dec, backend="auto", layout="nhwc")   # (numba forced would refuse conv_out's 3-channel bias)
     z = torch.randn(1, 16, 128, 128, device=DEV, dtype=torch.bfloat16)
     registry.strict = True
     with torch.no_grad():

@@ -1,9 +1,13 @@
 """GroupNorm (affine) + optional SiLU of a channels_last (NHWC) activation, for the VAE decoder.
 
-``groupnorm_silu_nhwc(x, num_groups, weight, bias, eps, silu=True)``
+``groupnorm_silu_nhwc(x, num_groups, weight, bias, eps, silu=True, pre_bias=None)``
   x: [N, C, H, W] bf16 in channels_last memory (NHWC: a pixel's C channels are contiguous);
   weight / bias [C] bf16 or fp32; returns a new channels_last bf16 tensor =
   ``silu(group_norm(x))`` (or ``group_norm(x)`` when silu=False), one rounding of the fp32 result.
+  ``pre_bias`` [C] (bf16 / fp32) or None: normalise x + pre_bias instead -- the bias of the
+  convolution that produced x (a ResnetBlock's conv1, computed without it), so that bias costs no
+  pass of its own: the statistics kernel adds it to each loaded value, and since
+  (x + p) a + b = x a + (b + p a) the normalise pass only sees a different b.
   It is groupnorm_silu.py's op for the NHWC decoder (FluxNumbaVAEPatch layout "nhwc"): there the
   activations stay channels_last end to end, so cuDNN's convolutions run their NHWC kernels without
   the nchwToNhwc / nhwcToNchw conversions it wraps around every NCHW bf16 convolution.
@@ -16,7 +20,7 @@ C/G >= 8, 8/(C/G) groups when C/G divides 8 -- so it needs only those 8 channels
 Numba backend, three launches through ``intrinsics.Launcher``:
   1. ``gnh_part``: block = (sample n, pixel chunk s of S); thread = (pixel lane r of R, column j),
      R = TPB / (C/8).  Per iteration each thread issues U=4 independent 16-byte loads (pixels
-     p, p+R, ...) before any math, folds the exact two-pass mean/M2 of that batch into its running
+     p, p+R, ...) before any math (+ its 8 pre_bias values, registers), folds the exact two-pass mean/M2 of that batch into its running
      (count, mean, M2) per group with one branch-free Chan update; block merge in shared memory,
      one thread per group.  Partials fp32 SoA [3, N*G*S], group-major (as groupnorm_silu's).
   2. ``gnh_coef``: one 32-thread block per (n, g) merges the S partials (groupnorm_silu's
@@ -53,8 +57,10 @@ U = 4                            # 16-byte loads per thread per iteration
 MAX_S = 2 if SIMULATOR else 1024
 
 
-def reference(x, num_groups, weight, bias, eps: float = 1e-6, silu: bool = True):
-    """ComfyUI's math (``F.group_norm`` then ``F.silu`` in x's dtype), channels_last out."""
+def reference(x, num_groups, weight, bias, eps: float = 1e-6, silu: bool = True, pre_bias=None):
+    """ComfyUI's math (the conv's bias add, ``F.group_norm``, ``F.silu``, each in x's dtype), channels_last out."""
+    if pre_bias is not None:
+        x = x + pre_bias.to(x.dtype).view(1, -1, 1, 1)
     y = F.group_norm(x, num_groups, weight, bias, eps)
     if silu:
         y = F.silu(y)
@@ -90,7 +96,7 @@ def _layout(C, G):
     return CC, TPB // CC, GPC, 8 // GPC
 
 
-def make_part_kernel(C, G):
+def make_part_kernel(C, G, PB, PB16):
     CC, R, GPC, CPA = _layout(C, G)
     cpg = C // G
     CW2 = C // 8                     # 16-byte columns per pixel
@@ -102,9 +108,9 @@ def make_part_kernel(C, G):
     SHW = TPB * GPC
     COLS_PER_G = cpg // 8 if cpg >= 8 else 1
 
-    def gnh_part(xw, part, HW, S, P):
+    def gnh_part(xw, pb, part, HW, S, P):
         """block blk = n * S + s -> part[(n G + g) S + s] (+ P, + 2P) = (count, mean, M2) of group g
-        over pixels [HW s // S, HW (s + 1) // S) of sample n."""
+        (of x + pb when PB) over pixels [HW s // S, HW (s + 1) // S) of sample n."""
         shn = cuda.shared.array(SHW, float32)
         shm = cuda.shared.array(SHW, float32)
         shq = cuda.shared.array(SHW, float32)
@@ -112,9 +118,17 @@ def make_part_kernel(C, G):
         an = cuda.local.array(GPC, float32)
         am = cuda.local.array(GPC, float32)
         aq = cuda.local.array(GPC, float32)
+        pbv = cuda.local.array(8, float32)
         tid = cuda.threadIdx.x
         r = tid // CC
         j = tid - r * CC
+        for e in range(8):
+            pbv[e] = float32(0)
+            if PB == 1 and r < R:
+                if PB16 == 1:
+                    pbv[e] = bf2f(pb[8 * j + e])
+                else:
+                    pbv[e] = pb[8 * j + e]
         blk = cuda.blockIdx.x
         nblk = P // G
         while blk < nblk:
@@ -135,8 +149,8 @@ def make_part_kernel(C, G):
                         f0 = unpack4(t2[0])
                         f1 = unpack4(t2[1])
                         for e in range(4):
-                            v[8 * k + e] = f0[e]
-                            v[8 * k + 4 + e] = f1[e]
+                            v[8 * k + e] = f0[e] + pbv[e]
+                            v[8 * k + 4 + e] = f1[e] + pbv[4 + e]
                     for a in range(GPC):
                         s1 = float32(0)
                         for k in range(U):
@@ -160,8 +174,8 @@ def make_part_kernel(C, G):
                     f0 = unpack4(t2[0])
                     f1 = unpack4(t2[1])
                     for e in range(4):
-                        v[e] = f0[e]
-                        v[4 + e] = f1[e]
+                        v[e] = f0[e] + pbv[e]
+                        v[4 + e] = f1[e] + pbv[4 + e]
                     for a in range(GPC):
                         s1 = float32(0)
                         for e in range(CPA):
@@ -209,10 +223,10 @@ def make_part_kernel(C, G):
     return ik.jit_kernel(gnh_part)
 
 
-def make_coef_kernel(W16):
-    def gnh_coef(part, w, b, coef, G, C, S, P, NG, eps):
+def make_coef_kernel(W16, PB, PB16):
+    def gnh_coef(part, w, b, pb, coef, G, C, S, P, NG, eps):
         """block gi = n G + g (32 threads): merge its S partials -> coef[n C + c] = a_c,
-        coef[N C + n C + c] = b_c for the group's channels c."""
+        coef[N C + n C + c] = b_c (+ pb_c a_c) for the group's channels c."""
         sh = cuda.shared.array(96, float32)
         tid = cuda.threadIdx.x
         cpg = C // G
@@ -234,6 +248,11 @@ def make_coef_kernel(W16):
                 else:
                     a = rstd * w[c]
                     bb = b[c] - m * a
+                if PB == 1:
+                    if PB16 == 1:
+                        bb += bf2f(pb[c]) * a
+                    else:
+                        bb += pb[c] * a
                 coef[nn * C + c] = a
                 coef[NC + nn * C + c] = bb
                 c += cuda.blockDim.x
@@ -323,8 +342,8 @@ def _norm_grid(V, tpb):
     return max(1, min(-(-V // (tpb * U)), 8 * runtime.sm_count()))
 
 
-def check(x, num_groups, weight, bias, eps=1e-6, silu=True):
-    why = runtime.device_ok(x, weight, bias)
+def check(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
+    why = runtime.device_ok(x, weight, bias, pre_bias)
     if why:
         return why
     if not ik.NUMBA_OK:
@@ -349,12 +368,15 @@ def check(x, num_groups, weight, bias, eps=1e-6, silu=True):
             return "affine weight and bias required"
         if t.dtype not in (torch.bfloat16, torch.float32) or t.dim() != 1 or t.numel() != C:
             return "weight/bias must be [C] bf16/fp32"
+    if pre_bias is not None and (pre_bias.dtype not in (torch.bfloat16, torch.float32) or pre_bias.dim() != 1
+                                 or pre_bias.numel() != C):
+        return "pre_bias must be [C] bf16/fp32"
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
         return "no autograd"
     return None
 
 
-def groupnorm_silu_nhwc_numba(x, num_groups, weight, bias, eps=1e-6, silu=True):
+def groupnorm_silu_nhwc_numba(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
     N, C, H, W = x.shape
     G = int(num_groups)
     if weight.dtype != bias.dtype:
@@ -370,9 +392,11 @@ def groupnorm_silu_nhwc_numba(x, num_groups, weight, bias, eps=1e-6, silu=True):
     xw = x.permute(0, 2, 3, 1).reshape(-1).view(torch.int64)       # NHWC memory as int64 words
     yw = y.permute(0, 2, 3, 1).reshape(-1).view(torch.int64)
     nblk = N * S
-    _launcher("part", C, G)(min(nblk, 2) if SIMULATOR else nblk, TPB, xw, part, HW, S, P)
-    _launcher("coef", 1 if weight.dtype == torch.bfloat16 else 0)(
-        min(NG, 2) if SIMULATOR else NG, 32, part, weight, bias, coef, G, C, S, P, NG, np.float32(eps))
+    pb = weight if pre_bias is None else pre_bias     # (a placeholder of the same kind when unused)
+    PB, PB16 = (0 if pre_bias is None else 1), (1 if pb.dtype == torch.bfloat16 else 0)
+    _launcher("part", C, G, PB, PB16)(min(nblk, 2) if SIMULATOR else nblk, TPB, xw, pb, part, HW, S, P)
+    _launcher("coef", 1 if weight.dtype == torch.bfloat16 else 0, PB, PB16)(
+        min(NG, 2) if SIMULATOR else NG, 32, part, weight, bias, pb, coef, G, C, S, P, NG, np.float32(eps))
     tpb = (TPB // CC) * CC
     V = HW * CC
     _launcher("norm", CC, 1 if silu else 0)(_norm_grid(V, tpb), tpb, xw, yw, coef, N, V, C)

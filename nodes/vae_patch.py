@@ -20,8 +20,12 @@ each of ComfyUI's own convolutions (its ops, its weight casting) runs cuDNN's NH
 without the nchwToNhwc / nhwcToNchw conversions cuDNN wraps around an NCHW bf16 convolution (8.1 ms
 of a 1024^2 decode).  The ops between the convolutions that torch runs slowly on channels_last
 memory are ours: GroupNorm(+SiLU) -> ``groupnorm_silu_nhwc``, the Upsample's nearest 2x ->
-``upsample_nearest2x``; residual adds and ComfyUI's VAE attention take the channels_last tensors as
-they are.  An exception inside the NHWC path (other than out-of-memory, which ComfyUI's own
+``upsample_nearest2x``, and each convolution's bias, which torch's cuDNN path adds in a slow
+broadcast pass of its own: the convolution runs without it (``conv._conv_forward`` with the weights
+``op_weights`` gets, as ComfyUI's op would), then a ResnetBlock's conv1 bias goes into norm2's
+statistics (``pre_bias``), conv2's bias and the residual add are one ``bias_residual_nhwc`` pass
+(the attention's proj_out likewise), every other conv's bias a ``bias_residual_nhwc`` pass alone.
+ComfyUI's VAE attention takes the channels_last q / k / v as they are.  An exception inside the NHWC path (other than out-of-memory, which ComfyUI's own
 tiled fallback handles) is logged once and that latent shape then runs the NCHW path.
 Layout "nchw" (and fp32 / fp16 VAEs, decoder keyword arguments): stock memory layout with the
 GroupNorm(+SiLU) pairs routed through ``groupnorm_silu``.
@@ -49,6 +53,7 @@ log = logging.getLogger("flux_numba")
 OP = "groupnorm_silu"
 NHWC_OP = "groupnorm_silu_nhwc"
 UP_OP = "upsample_nearest2x"
+BR_OP = "bias_residual_nhwc"
 NODE_ID = "FluxNumbaVAEPatch"
 BACKENDS = ("auto", "numba", "torch")
 LAYOUTS = ("nhwc", "nchw")
@@ -73,16 +78,73 @@ def _is_nhwc(x):
     return x.ndim == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=CL)
 
 
-def group_norm_act(norm, x, silu: bool):
-    """``norm(x)`` (+ SiLU) through the registry, honouring ComfyUI's weight casting."""
+def group_norm_act(norm, x, silu: bool, pre_bias=None):
+    """``norm(x [+ pre_bias])`` (+ SiLU) through the registry, honouring ComfyUI's weight casting;
+    ``pre_bias`` (the producing conv's bias, not yet added) only on the NHWC path."""
     _every_op()
     with op_weights(norm, x) as (w, b):
-        return registry.call(NHWC_OP if _is_nhwc(x) else OP, x, norm.num_groups, w, b, norm.eps, silu=silu)
+        if _is_nhwc(x):
+            kw = {} if pre_bias is None else {"pre_bias": pre_bias}
+            return registry.call(NHWC_OP, x, norm.num_groups, w, b, norm.eps, silu=silu, **kw)
+        if pre_bias is not None:
+            x = x + pre_bias.to(x.dtype).view(1, -1, 1, 1)
+        return registry.call(OP, x, norm.num_groups, w, b, norm.eps, silu=silu)
 
 
 def _backend_ctx(mod):
     b = getattr(mod, "_flux_numba_backend", "auto")
-    return contextlib.nullcontext() if b == "auto" else registry.force(b, ops=[OP, NHWC_OP, UP_OP])
+    return contextlib.nullcontext() if b == "auto" else registry.force(b, ops=[OP, NHWC_OP, UP_OP, BR_OP])
+
+
+# ------------------------------------------------------------------ NHWC path
+def _plain_conv(conv):
+    return isinstance(conv, torch.nn.Conv2d) and hasattr(conv, "_conv_forward")
+
+
+def _conv_nhwc(conv, x, residual=None):
+    """ComfyUI's convolution of channels_last ``x`` (weights as its op gets them: ``op_weights``) with
+    the bias (+ residual) added in one pass by ``bias_residual_nhwc`` instead of torch's broadcast add."""
+    if not _plain_conv(conv):
+        y = conv(x)
+        return y if residual is None else y + residual
+    _every_op()
+    with op_weights(conv, x) as (w, b):
+        y = conv._conv_forward(x, w, None)
+        if not _is_nhwc(y) and y.shape[1] % 8 == 0:   # (cuDNN keeps channels_last; some CPU kernels do not)
+            y = y.contiguous(memory_format=CL)
+        if b is None:
+            return y if residual is None else y.add_(residual)
+        return registry.call(BR_OP, y, b, residual)
+
+
+def _dropout_off(blk):
+    d = getattr(blk, "dropout", None)
+    return d is None or not (d.training and d.p)
+
+
+def _resnet_nhwc(self, x):
+    """norm1+SiLU -> conv1 (bias folded into norm2) -> norm2+SiLU -> conv2 (+ bias + shortcut, one pass)."""
+    h = group_norm_act(self.norm1, x, True)
+    conv1 = self.conv1
+    if _plain_conv(conv1):
+        _every_op()
+        with op_weights(conv1, h) as (w, b):
+            h = conv1._conv_forward(h, w, None)
+            h = group_norm_act(self.norm2, h, True, pre_bias=b)
+    else:
+        h = group_norm_act(self.norm2, conv1(h), True)
+    if self.in_channels != self.out_channels:
+        x = _conv_nhwc(self.conv_shortcut if self.use_conv_shortcut else self.nin_shortcut, x)
+    return _conv_nhwc(self.conv2, h, residual=x)
+
+
+def _attn_nhwc(self, x):
+    h_ = group_norm_act(self.norm, x, False)
+    q, k, v = (_conv_nhwc(m, h_) for m in (self.q, self.k, self.v))
+    h_ = self.optimized_attention(q, k, v)     # pytorch_attention hands back a channels_last view
+    if not _is_nhwc(h_):
+        h_ = h_.contiguous(memory_format=CL)
+    return _conv_nhwc(self.proj_out, h_, residual=x)
 
 
 # ------------------------------------------------------------------ patched forwards
@@ -90,6 +152,8 @@ def _resnet_forward(self, x, temb=None, conv_carry_in=None, conv_carry_out=None,
     base = type(self).__mro__[1]
     if x.ndim != 4 or temb is not None or conv_carry_in is not None or conv_carry_out is not None or kwargs:
         return base.forward(self, x, temb, conv_carry_in, conv_carry_out, **kwargs)
+    if _is_nhwc(x) and _dropout_off(self):
+        return _resnet_nhwc(self, x)
     h = group_norm_act(self.norm1, x, True)
     h = self.conv1(h)
     h = group_norm_act(self.norm2, h, True)
@@ -104,6 +168,8 @@ def _attn_forward(self, x, **kwargs):
     base = type(self).__mro__[1]
     if x.ndim != 4 or kwargs:
         return base.forward(self, x, **kwargs)
+    if _is_nhwc(x):
+        return _attn_nhwc(self, x)
     h_ = group_norm_act(self.norm, x, False)
     q = self.q(h_)
     k = self.k(h_)
@@ -123,13 +189,14 @@ def _upsample_forward(self, x, *args, **kwargs):
         return base.forward(self, x, *args, **kwargs)
     x = registry.call(UP_OP, x)
     if self.with_conv:
-        x = self.conv(x)
+        x = _conv_nhwc(self.conv, x)
     return x
 
 
 def _decoder_body(self, z, kwargs):
+    nhwc = _is_nhwc(z)
     temb = None
-    h = self.conv_in(z)
+    h = _conv_nhwc(self.conv_in, z) if nhwc else self.conv_in(z)
     h = self.mid.block_1(h, temb, **kwargs)
     h = self.mid.attn_1(h, **kwargs)
     h = self.mid.block_2(h, temb, **kwargs)
@@ -141,7 +208,7 @@ def _decoder_body(self, z, kwargs):
         if i_level != 0:
             h = self.up[i_level].upsample(h, None, None)
     h = group_norm_act(self.norm_out, h, True)
-    h = self.conv_out(h)
+    h = _conv_nhwc(self.conv_out, h) if nhwc else self.conv_out(h)
     if self.tanh_out:
         h = torch.tanh(h)
     return h

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from flux_numba_pack.cuda_kernels import registry, runtime
 from flux_numba_pack.cuda_kernels import groupnorm_silu_nhwc as gnh
 from flux_numba_pack.cuda_kernels import upsample_nearest2x as up
+from flux_numba_pack.cuda_kernels import bias_residual_nhwc as br
 
 DEV = "cpu" if runtime.SIMULATOR else "cuda"
 CL = torch.channels_last
@@ -43,7 +44,7 @@ def poison(monkeypatch):
         out = empty(*a, **k)
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
-    for m in (gnh, up):
+    for m in (gnh, up, br):
         monkeypatch.setattr(m.torch, "empty_like", nan_like)
         monkeypatch.setattr(m.torch, "empty", nan_empty)
 
@@ -92,6 +93,18 @@ def test_groupnorm_silu_nhwc_matches_reference(shape, G, wdt, silu, strict, pois
     assert err <= max(2 * err_stock, 1.6e-2 * ref.abs().max().item()), (err, err_stock)
 
 
+@pytest.mark.parametrize("shape,G,pdt", [((1, 128, 5, 7), 32, torch.bfloat16), ((2, 64, 4, 6), 4, torch.float32)])
+def test_groupnorm_silu_nhwc_pre_bias(shape, G, pdt, strict, poison):
+    """pre_bias (a conv's bias the statistics add on load and the affine folds in) == GN(x + bias)."""
+    x, w, b = _inputs(shape, torch.bfloat16)
+    pb = (3 * torch.randn(shape[1])).to(pdt).to(DEV)        # large against x's spread: a wrong fold shows
+    y = _call(gnh.OP, x, G, w, b, 1e-6, silu=True, pre_bias=pb)
+    ref = _fp32_gn(x.float() + pb.float().view(1, -1, 1, 1), G, w, b, 1e-6, True)
+    stock = gnh.reference(x, G, w, b, 1e-6, True, pre_bias=pb)
+    err, err_stock = (y.float() - ref).abs().max().item(), (stock.float() - ref).abs().max().item()
+    assert err <= max(2 * err_stock, 1.6e-2 * ref.abs().max().item()), (err, err_stock)
+
+
 def test_groupnorm_silu_nhwc_multi_chunk(strict, poison, monkeypatch):
     """Several statistics blocks per sample (partials merged in the coefficient kernel), as on the GPU."""
     monkeypatch.setattr(gnh, "MAX_S", 8)
@@ -118,6 +131,36 @@ def test_groupnorm_silu_nhwc_check():
     assert gnh.check(x, 32, None, b) is not None
     x3, w3, b3 = _inputs((1, 96, 4, 4), torch.bfloat16)
     assert gnh.check(x3, 32, w3, b3) is not None                    # cpg 3 neither divides nor is a multiple of 8
+
+
+BR_CASES = [
+    ((1, 8, 3, 5), torch.bfloat16, True),     # one column, odd H W, residual
+    ((2, 64, 4, 3), torch.float32, False),    # 8 columns, 2 samples, fp32 bias, no residual
+    ((1, 32, 16, 16), torch.bfloat16, True),  # main loop (>= U strides)
+]
+
+
+@pytest.mark.parametrize("shape,bdt,res", BR_CASES)
+def test_bias_residual_nhwc_matches_reference(shape, bdt, res, strict):
+    y0 = torch.randn(shape).to(torch.bfloat16).to(DEV).contiguous(memory_format=CL)
+    b = torch.randn(shape[1]).to(bdt).to(DEV)
+    r = torch.randn(shape).to(torch.bfloat16).to(DEV).contiguous(memory_format=CL) if res else None
+    y = y0.clone()
+    out = _call(br.OP, y, b, r)
+    assert out is y and y.is_contiguous(memory_format=CL)                    # in place
+    exact = y0.float() + b.float().view(1, -1, 1, 1) + (r.float() if res else 0)
+    assert (y.float() - exact).abs().max().item() <= 2 ** -7 * exact.abs().max().item()   # one bf16 rounding
+    stock = br.reference(y0.clone(), b, r)
+    assert (y.float() - exact).abs().mean() <= (stock.float() - exact).abs().mean() + 1e-6
+
+
+def test_bias_residual_check():
+    y = torch.randn(1, 16, 3, 3).to(torch.bfloat16).to(DEV).contiguous(memory_format=CL)
+    b = torch.randn(16).to(DEV)
+    assert br.check(y, b) is None and br.check(y, b, y.clone()) is None
+    assert br.check(y.contiguous(), b) is not None                 # NCHW
+    assert br.check(y, b, y.contiguous()) is not None              # residual NCHW
+    assert br.check(y, b[:8]) is not None
 
 
 UP_CASES = [
@@ -151,6 +194,16 @@ def test_decoder_shapes_gpu(C, H, strict):
     stock = gnh.reference(x, 32, w, b, 1e-6, True)
     e, es = (y.float() - ref).norm() / ref.norm(), (stock.float() - ref).norm() / ref.norm()
     assert e <= 1.2 * es + 1e-4, (e.item(), es.item())
+    pb = torch.randn(C, device=DEV)
+    y = _call(gnh.OP, x, 32, w, b, 1e-6, silu=True, pre_bias=pb)
+    ref = _fp32_gn(x.float() + pb.view(1, -1, 1, 1), 32, w, b, 1e-6, True)
+    e = (y.float() - ref).norm() / ref.norm()
+    assert e <= 1.2 * es + 1e-4, (e.item(), es.item())
+    r = torch.randn_like(x)
+    yb = x.clone()
+    _call(br.OP, yb, pb, r)
+    exact = x.float() + pb.view(1, -1, 1, 1) + r.float()
+    assert (yb.float() - exact).abs().max().item() <= 2 ** -7 * exact.abs().max().item()
     if H <= 512:
         u = _call(up.OP, x)
         assert torch.equal(u, F.interpolate(x, scale_factor=2.0, mode="nearest"))
