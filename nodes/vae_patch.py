@@ -25,7 +25,9 @@ broadcast pass of its own: the convolution runs without it (``conv._conv_forward
 ``op_weights`` gets, as ComfyUI's op would), then a ResnetBlock's conv1 bias goes into norm2's
 statistics (``pre_bias``), conv2's bias and the residual add are one ``bias_residual_nhwc`` pass
 (the attention's proj_out likewise), every other conv's bias a ``bias_residual_nhwc`` pass alone.
-ComfyUI's VAE attention takes the channels_last q / k / v as they are.  An exception inside the NHWC path (other than out-of-memory, which ComfyUI's own
+The mid block's attention (head dim 512, where torch's SDPA falls back to its mem-efficient kernel)
+-> ``vae_attention`` when ComfyUI's choice is ``pytorch_attention`` (its SDPA is the reference);
+xformers / split attention stay ComfyUI's and take the channels_last q / k / v as they are.  An exception inside the NHWC path (other than out-of-memory, which ComfyUI's own
 tiled fallback handles) is logged once and that latent shape then runs the NCHW path.
 Layout "nchw" (and fp32 / fp16 VAEs, decoder keyword arguments): stock memory layout with the
 GroupNorm(+SiLU) pairs routed through ``groupnorm_silu``.
@@ -54,6 +56,7 @@ OP = "groupnorm_silu"
 NHWC_OP = "groupnorm_silu_nhwc"
 UP_OP = "upsample_nearest2x"
 BR_OP = "bias_residual_nhwc"
+VA_OP = "vae_attention"
 NODE_ID = "FluxNumbaVAEPatch"
 BACKENDS = ("auto", "numba", "torch")
 LAYOUTS = ("nhwc", "nchw")
@@ -93,7 +96,7 @@ def group_norm_act(norm, x, silu: bool, pre_bias=None):
 
 def _backend_ctx(mod):
     b = getattr(mod, "_flux_numba_backend", "auto")
-    return contextlib.nullcontext() if b == "auto" else registry.force(b, ops=[OP, NHWC_OP, UP_OP, BR_OP])
+    return contextlib.nullcontext() if b == "auto" else registry.force(b, ops=[OP, NHWC_OP, UP_OP, BR_OP, VA_OP])
 
 
 # ------------------------------------------------------------------ NHWC path
@@ -141,7 +144,10 @@ def _resnet_nhwc(self, x):
 def _attn_nhwc(self, x):
     h_ = group_norm_act(self.norm, x, False)
     q, k, v = (_conv_nhwc(m, h_) for m in (self.q, self.k, self.v))
-    h_ = self.optimized_attention(q, k, v)     # pytorch_attention hands back a channels_last view
+    if getattr(self.optimized_attention, "__name__", "") == "pytorch_attention":
+        h_ = registry.call(VA_OP, q, k, v)     # its reference is pytorch_attention's SDPA
+    else:                                      # xformers / split attention: ComfyUI's choice stands
+        h_ = self.optimized_attention(q, k, v)
     if not _is_nhwc(h_):
         h_ = h_.contiguous(memory_format=CL)
     return _conv_nhwc(self.proj_out, h_, residual=x)

@@ -279,10 +279,13 @@ def test_decoder_nhwc_matches_stock(strict, monkeypatch):
     into the next GroupNorm, NCHW image out; close to stock bf16 and to fp32."""
     M = _comfy()
     dec, fsm, vae = _bf16_vae(M)
-    z = torch.randn(2, 16, 3, 5, device=DEV).to(torch.bfloat16)   # 2 images, odd latent
+    dec.mid.attn_1.optimized_attention = M.pytorch_attention     # ComfyUI's choice on CUDA (CPU: split)
+    z = torch.randn(2, 16, 4, 5, device=DEV).to(torch.bfloat16)   # 2 images, odd width (20 tokens: vae_attention takes L % 4 == 0)
     with torch.no_grad():
         stock = fsm.decoder(z).float()
-        fp32 = _small_decoder(M, torch.float32)(z.float())
+        d32 = _small_decoder(M, torch.float32)
+        d32.mid.attn_1.optimized_attention = M.pytorch_attention
+        fp32 = d32(z.float())
     seen = []
     conv2d = torch.nn.functional.conv2d
 
@@ -299,6 +302,7 @@ def test_decoder_nhwc_matches_stock(strict, monkeypatch):
     # conv2 x 6 (+ residual), the 32->64 shortcut, the upsample's conv, conv_in, q / k / v / proj_out;
     # conv_out's 3 channels are not a multiple of 8: torch's add (conv1's biases went into norm2)
     assert used.get("bias_residual_nhwc") == {"numba": 13, "torch": 1}, used
+    assert used.get("vae_attention") == {"numba": 1}, used
     assert "groupnorm_silu" not in used
     assert len(seen) == 20 and all(nhwc and nob for nhwc, nob in seen), seen   # 12 + shortcut + 4 attn + in, up, out
     assert got.dtype == torch.bfloat16 and got.is_contiguous() and got.shape == stock.shape

@@ -11,6 +11,7 @@ from flux_numba_pack.cuda_kernels import registry, runtime
 from flux_numba_pack.cuda_kernels import groupnorm_silu_nhwc as gnh
 from flux_numba_pack.cuda_kernels import upsample_nearest2x as up
 from flux_numba_pack.cuda_kernels import bias_residual_nhwc as br
+from flux_numba_pack.cuda_kernels import vae_attention as va
 
 DEV = "cpu" if runtime.SIMULATOR else "cuda"
 CL = torch.channels_last
@@ -163,6 +164,22 @@ def test_bias_residual_check():
     assert br.check(y, b[:8]) is not None
 
 
+@pytest.mark.parametrize("shape", [(1, 16, 4, 4), (2, 8, 3, 4)])
+def test_vae_attention_matches_reference(shape, strict):
+    g = torch.Generator().manual_seed(torch.seed())
+    q, k, v = ((torch.randn(shape, generator=g) * s).to(torch.bfloat16).to(DEV).contiguous(memory_format=CL)
+               for s in (3.0, 3.0, 1.0))                   # peaked softmax rows
+    out = _call(va.OP, q, k, v)
+    assert out.shape == q.shape and out.is_contiguous(memory_format=CL) and out.dtype == torch.bfloat16
+    B, C, H, W = shape
+    qf, kf, vf = (t.float().reshape(B, C, H * W).transpose(1, 2) for t in (q, k, v))
+    exact = torch.softmax(qf @ kf.transpose(1, 2) / C ** 0.5, -1) @ vf
+    exact = exact.reshape(B, H, W, C).permute(0, 3, 1, 2)
+    stock = va.reference(q, k, v).float()
+    e, es = (out.float() - exact).norm() / exact.norm(), (stock - exact).norm() / exact.norm()
+    assert e <= 2 * es + 2e-3, (e.item(), es.item())
+
+
 UP_CASES = [
     ((1, 8, 3, 5), torch.bfloat16),     # one 16-byte column per pixel, odd H W
     ((2, 64, 4, 3), torch.bfloat16),    # 8 columns, 2 samples
@@ -204,6 +221,14 @@ def test_decoder_shapes_gpu(C, H, strict):
     _call(br.OP, yb, pb, r)
     exact = x.float() + pb.view(1, -1, 1, 1) + r.float()
     assert (yb.float() - exact).abs().max().item() <= 2 ** -7 * exact.abs().max().item()
+    if H == 128:   # the mid block's attention shape
+        q, k, v = (torch.randn_like(x) * s for s in (2.0, 2.0, 1.0))
+        out = _call(va.OP, q, k, v)
+        qf, kf, vf = (t.float().reshape(1, C, -1).transpose(1, 2) for t in (q, k, v))
+        exact = (torch.softmax(qf @ kf.transpose(1, 2) / C ** 0.5, -1) @ vf).reshape(1, H, H, C).permute(0, 3, 1, 2)
+        stock = va.reference(q, k, v).float()
+        e, es = (out.float() - exact).norm() / exact.norm(), (stock - exact).norm() / exact.norm()
+        assert e <= 1.5 * es + 1e-3, (e.item(), es.item())
     if H <= 512:
         u = _call(up.OP, x)
         assert torch.equal(u, F.interpolate(x, scale_factor=2.0, mode="nearest"))
