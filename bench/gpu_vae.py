@@ -325,6 +325,29 @@ def kernel_breakdown(fn, top=12):
     return round(sum(e[0] for e in evs), 3), cats, [(round(a, 3), n, k[:90]) for a, n, k in evs[:top]]
 
 
+def host_ms_of(fn, top=16):
+    """Host ms to issue one call (no sync inside: when it is near the call's wall time the call is
+    host-bound), then a cProfile of one more call, top functions by own time (printed)."""
+    import cProfile
+    import io
+    import pstats
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    st = io.StringIO()
+    pstats.Stats(pr, stream=st).sort_stats("tottime").print_stats(top)
+    print(f"  host profile (one call issued in {host:.2f} ms):")
+    print("\n".join(ln for ln in st.getvalue().splitlines() if ln.strip())[:5000])
+    return host
+
+
 # ----------------------------------------------------------------------------- decoder
 def comfy_decoder():
     p = os.environ.get("COMFYUI_PATH", os.path.join(ROOT, ".carry", "ComfyUI"))
@@ -410,6 +433,7 @@ def run_decoder():
         gp, tp = gn_kernel_ms(lambda: pat(z))
         brk = {k: kernel_breakdown(f) for k, f in (("stock", lambda: dec(z)), ("nchw", lambda: pat(z)),
                                                   ("nhwc", lambda: pat_h(z)))}
+        host_h = host_ms_of(lambda: pat_h(z))
         with torch.device(DEV):
             d32 = M.Decoder(**cfg)
         d32.load_state_dict({k: v.float() for k, v in dec.state_dict().items()})
@@ -424,7 +448,8 @@ def run_decoder():
     h_ps, h_pf = psnr(out_h, out_s), psnr(out_h, out_f)
     ok_h = (not nan_h and used_h.get(gnh.OP) == {"numba": 30} and used_h.get(up2.OP) == {"numba": 3}
             and gn.OP not in used_h and out_h.is_contiguous() and h_pf >= p_sf - 0.5)
-    note("decoder 1024^2 bf16 nhwc", ok=ok_h, usage=used_h, ms=round(t_h, 2), stock_ms=round(t_s, 2),
+    note("decoder 1024^2 bf16 nhwc", ok=ok_h, usage=used_h, ms=round(t_h, 2), host_ms=round(host_h, 2),
+         stock_ms=round(t_s, 2),
          nchw_ms=round(t_p, 2), speedup=round(t_s / t_h, 3), psnr_vs_stock=round(h_ps, 1),
          psnr_vs_fp32=round(h_pf, 1), psnr_stock_vs_fp32=round(p_sf, 1), bar_30ms=t_h <= 30.0, breakdown=brk)
     for k, (tot, cats, topk) in brk.items():

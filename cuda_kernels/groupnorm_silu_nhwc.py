@@ -376,30 +376,48 @@ def check(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
     return None
 
 
+_PLANS = {}
+
+
+def _plan(shape, G, wdt, pdt, silu):
+    """Launch plan per (shape, groups, affine / pre_bias dtypes, SiLU): launchers, grids, sizes."""
+    key = (shape, G, wdt, pdt, silu)
+    pl = _PLANS.get(key)
+    if pl is None:
+        N, C, H, W = shape
+        HW = H * W
+        CC, R, _, _ = _layout(C, G)
+        S = _chunks(N, HW, R)
+        NG = N * G
+        P = NG * S
+        PB, PB16 = (0, 0) if pdt is None else (1, 1 if pdt == torch.bfloat16 else 0)
+        tpb = (TPB // CC) * CC
+        V = HW * CC
+        nblk = N * S
+        pl = (_launcher("part", C, G, PB, PB16), min(nblk, 2) if SIMULATOR else nblk,
+              _launcher("coef", 1 if wdt == torch.bfloat16 else 0, PB, PB16), min(NG, 2) if SIMULATOR else NG,
+              _launcher("norm", CC, 1 if silu else 0), _norm_grid(V, tpb), tpb, (HW, S, P), (G, C, S, P, NG),
+              (N, V, C), 3 * P, 2 * N * C)
+        if len(_PLANS) > 512:
+            _PLANS.clear()
+        _PLANS[key] = pl
+    return pl
+
+
 def groupnorm_silu_nhwc_numba(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
-    N, C, H, W = x.shape
-    G = int(num_groups)
     if weight.dtype != bias.dtype:
         weight, bias = weight.float(), bias.float()
-    HW = H * W
-    CC, R, _, _ = _layout(C, G)
-    S = _chunks(N, HW, R)
-    NG = N * G
-    P = NG * S
-    part = torch.empty(3 * P, device=x.device, dtype=torch.float32)
-    coef = torch.empty(2 * N * C, device=x.device, dtype=torch.float32)
+    lp, gp, lc, gc, ln, gn, tpb, ap, ac, an, npart, ncoef = _plan(
+        tuple(x.shape), int(num_groups), weight.dtype, None if pre_bias is None else pre_bias.dtype, bool(silu))
+    buf = torch.empty(npart + ncoef, device=x.device, dtype=torch.float32)
+    part, coef = buf[:npart], buf[npart:]
     y = torch.empty_like(x, memory_format=torch.channels_last)
-    xw = x.permute(0, 2, 3, 1).reshape(-1).view(torch.int64)       # NHWC memory as int64 words
-    yw = y.permute(0, 2, 3, 1).reshape(-1).view(torch.int64)
-    nblk = N * S
-    pb = weight if pre_bias is None else pre_bias     # (a placeholder of the same kind when unused)
-    PB, PB16 = (0 if pre_bias is None else 1), (1 if pb.dtype == torch.bfloat16 else 0)
-    _launcher("part", C, G, PB, PB16)(min(nblk, 2) if SIMULATOR else nblk, TPB, xw, pb, part, HW, S, P)
-    _launcher("coef", 1 if weight.dtype == torch.bfloat16 else 0, PB, PB16)(
-        min(NG, 2) if SIMULATOR else NG, 32, part, weight, bias, pb, coef, G, C, S, P, NG, np.float32(eps))
-    tpb = (TPB // CC) * CC
-    V = HW * CC
-    _launcher("norm", CC, 1 if silu else 0)(_norm_grid(V, tpb), tpb, xw, yw, coef, N, V, C)
+    xw = x.permute(0, 2, 3, 1).view(-1).view(torch.int64)       # NHWC memory as int64 words
+    yw = y.permute(0, 2, 3, 1).view(-1).view(torch.int64)
+    pb = weight if pre_bias is None else pre_bias               # (a placeholder of the same kind when unused)
+    lp(gp, TPB, xw, pb, part, *ap)
+    lc(gc, 32, part, weight, bias, pb, coef, *ac, np.float32(eps))
+    ln(gn, tpb, xw, yw, coef, *an)
     return y
 
 

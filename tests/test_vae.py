@@ -241,7 +241,8 @@ def test_decoder_patched_matches_stock(strict):
     finally:
         vae.patcher.unpatch_model()  # the stock clone restores the shared backup
     assert fsm.decoder is dec and type(dec) is M.Decoder
-    torch.testing.assert_close(got, stock, atol=1e-4, rtol=1e-4)
+    tol = 1e-4 if DEV == "cpu" else 3e-3   # (on a GPU cuDNN's fp32 convolutions run TF32)
+    torch.testing.assert_close(got, stock, atol=tol, rtol=tol)
 
     # a non-FLUX (4-channel) VAE passes through
     sd_vae = types.SimpleNamespace(first_stage_model=fsm, latent_channels=4, patcher=vae.patcher)
@@ -294,7 +295,8 @@ def test_decoder_nhwc_matches_stock(strict, monkeypatch):
         return conv2d(x, w, b, *a, **k)
 
     monkeypatch.setattr(torch.nn.functional, "conv2d", spy)
-    with registry.force("numba", ops=["groupnorm_silu_nhwc", "upsample_nearest2x"]):
+    monkeypatch.setattr(registry, "autotune", False)   # on a GPU: priority order, not tiny-shape timings
+    with registry.force("numba", ops=["groupnorm_silu_nhwc", "upsample_nearest2x", "vae_attention"]):
         got, used = _decode(vae, fsm, z)
     monkeypatch.undo()
     assert used.get("groupnorm_silu_nhwc") == {"numba": 14}, used   # 6 ResnetBlocks x 2 + mid attn + norm_out
