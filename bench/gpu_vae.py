@@ -325,6 +325,36 @@ def kernel_breakdown(fn, top=12):
     return round(sum(e[0] for e in evs), 3), cats, [(round(a, 3), n, k[:90]) for a, n, k in evs[:top]]
 
 
+def gpu_gaps(fn, top=12):
+    """Profiler timeline of one call: (GPU busy span ms, sum of idle gaps between kernels ms, the
+    largest gaps with the kernels around them) -- where the device waits for the host."""
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ks = []
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start:
+            ks.append((e.time_range.start, e.time_range.end, e.name))
+    ks.sort()
+    gaps, idle, end = [], 0.0, None
+    for a0, a1, name in ks:
+        if end is not None and a0 > end[0]:
+            g = a0 - end[0]
+            idle += g
+            gaps.append((g, end[1][:60], name[:60]))
+        if end is None or a1 > end[0]:
+            end = (a1, name)
+    gaps.sort(reverse=True)
+    span = (ks[-1][1] - ks[0][0]) / 1e3 if ks else 0.0
+    print(f"  timeline: {len(ks)} kernels, span {span:.2f} ms, idle {idle / 1e3:.2f} ms; largest gaps (us):")
+    for g, a_, b_ in gaps[:top]:
+        print(f"      {g:8.1f}  after {a_}  before {b_}")
+    small = sum(g for g, _, _ in gaps if g < 20) / 1e3
+    print(f"      (gaps < 20 us: {small:.2f} ms in all)")
+    return round(span, 3), round(idle / 1e3, 3)
+
+
 def host_ms_of(fn, top=16):
     """Host ms to issue one call (no sync inside: when it is near the call's wall time the call is
     host-bound), then a cProfile of one more call, top functions by own time (printed)."""
@@ -434,6 +464,7 @@ def run_decoder():
         brk = {k: kernel_breakdown(f) for k, f in (("stock", lambda: dec(z)), ("nchw", lambda: pat(z)),
                                                   ("nhwc", lambda: pat_h(z)))}
         host_h = host_ms_of(lambda: pat_h(z))
+        span_h, idle_h = gpu_gaps(lambda: pat_h(z))
         with torch.device(DEV):
             d32 = M.Decoder(**cfg)
         d32.load_state_dict({k: v.float() for k, v in dec.state_dict().items()})
@@ -449,6 +480,7 @@ def run_decoder():
     ok_h = (not nan_h and used_h.get(gnh.OP) == {"numba": 30} and used_h.get(up2.OP) == {"numba": 3}
             and gn.OP not in used_h and out_h.is_contiguous() and h_pf >= p_sf - 0.5)
     note("decoder 1024^2 bf16 nhwc", ok=ok_h, usage=used_h, ms=round(t_h, 2), host_ms=round(host_h, 2),
+         gpu_span_ms=span_h, gpu_idle_ms=idle_h,
          stock_ms=round(t_s, 2),
          nchw_ms=round(t_p, 2), speedup=round(t_s / t_h, 3), psnr_vs_stock=round(h_ps, 1),
          psnr_vs_fp32=round(h_pf, 1), psnr_stock_vs_fp32=round(p_sf, 1), bar_30ms=t_h <= 30.0, breakdown=brk)
