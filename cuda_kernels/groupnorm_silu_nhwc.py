@@ -17,26 +17,21 @@ strided; a pixel row of C channels (C/8 16-byte columns) is the contiguous unit.
 keeps one 16-byte column j for all its work touches a fixed set of 8 channels -- one group when
 C/G >= 8, 8/(C/G) groups when C/G divides 8 -- so it needs only those 8 channels' coefficients.
 
-Numba backend, two launches through ``intrinsics.Launcher`` (launch plan cached per shape):
+Numba backend, three launches through ``intrinsics.Launcher``:
   1. ``gnh_part``: block = (sample n, pixel chunk s of S); thread = (pixel lane r of R, column j),
      R = TPB / (C/8).  Per iteration each thread issues U=4 independent 16-byte loads (pixels
-     p, p+R, ...) before any math (+ its 8 pre_bias values, registers), folds the exact two-pass
-     mean/M2 of that batch into its running (count, mean, M2) per group with one branch-free Chan
-     update; block merge in shared memory, one thread per group.  Partials fp32 SoA [3, N*G*S],
-     group-major (as groupnorm_silu's).
-  2. ``gnh_norm``: every block first merges the G groups' S partials itself -- warp w takes groups
-     w, w + 8, ... (groupnorm_silu's ``_group_merge``: lanes over the partials, shuffles; a
-     shared-memory tree in the simulator) into shared mean / rstd -- and each thread forms its 8
-     channels' affine a = rstd gamma_c, b = beta_c - mean a; then a grid-stride stream over the
-     16-byte vectors of x, backwards (the tail of x the statistics pass left in L2 is re-read first);
-     the grid stride is a multiple of C/8, so each thread's column -- and its 8 (a, b) pairs,
-     registers -- never changes within a sample: 4 x 16-byte loads, y = x a + b, SiLU as
-     y rcp(1 + ex2(-y log2 e)), RNE to bf16, 16-byte stores.  (Merged here rather than a third launch:
-     the decoder's 128^2 stage is host-bound -- session 8's timeline shows the GPU waiting ~0.2 ms at
-     each ResnetBlock boundary there -- and the merge costs each block a few microseconds.)
-  Exact statistics (no E[x^2] - E[x]^2 cancellation).  C/8 must be a power of two <= 256 (the
-  decoder's 128 / 256 / 512), C/G a multiple or a divisor of 8, G <= 256; x 16-byte aligned.
-  Anything else: the torch reference.
+     p, p+R, ...) before any math (+ its 8 pre_bias values, registers), folds the exact two-pass mean/M2 of that batch into its running
+     (count, mean, M2) per group with one branch-free Chan update; block merge in shared memory,
+     one thread per group.  Partials fp32 SoA [3, N*G*S], group-major (as groupnorm_silu's).
+  2. ``gnh_coef``: one 32-thread block per (n, g) merges the S partials (groupnorm_silu's
+     ``_group_merge``: warp shuffles; a shared-memory tree in the simulator) and writes the
+     per-channel affine of the normalisation, a = rstd gamma_c, b = beta_c - mean a, fp32 [2, N, C].
+  3. ``gnh_norm``: a grid-stride stream over the 16-byte vectors of x, backwards (the tail of x the
+     statistics pass left in L2 is re-read first); the grid stride is a multiple of C/8, so each
+     thread's column -- and its 8 (a, b) pairs, registers -- never changes within a sample:
+     4 x 16-byte loads, y = x a + b, SiLU as y rcp(1 + ex2(-y log2 e)), RNE to bf16, 16-byte stores.
+  Exact statistics (no E[x^2] - E[x]^2 cancellation).  C must be a multiple of 8, C/8 <= 256, and
+  C/G a multiple or a divisor of 8; x 16-byte aligned.  Anything else: the torch reference.
 
 Bytes moved: read x twice + write y once = 3 numel 2 B (+ tiny partials), the same as the NCHW op:
   [1,128,1024,1024]: 805 MB -> floor 218 us at 3.7 TB/s; [1,256,1024,1024] 1.61 GB -> 435 us;
@@ -91,23 +86,6 @@ if ik.NUMBA_OK:
         t = unpack4(w)
         return pack4(_act(t[0] * a0 + b0, silu), _act(t[1] * a1 + b1, silu),
                      _act(t[2] * a2 + b2, silu), _act(t[3] * a3 + b3, silu))
-
-    @_dev
-    def _ab(c, cpg, smean, srstd, w, b, pb, W16, PB, PB16):
-        """Channel c's affine from its group's shared mean / rstd: (rstd gamma_c, beta_c - mean a (+ pb_c a))."""
-        g = c // cpg
-        if W16 == 1:
-            a = srstd[g] * bf2f(w[c])
-            bb = bf2f(b[c]) - smean[g] * a
-        else:
-            a = srstd[g] * w[c]
-            bb = b[c] - smean[g] * a
-        if PB == 1:
-            if PB16 == 1:
-                bb += bf2f(pb[c]) * a
-            else:
-                bb += pb[c] * a
-        return a, bb
 
 
 def _layout(C, G):
@@ -245,43 +223,72 @@ def make_part_kernel(C, G, PB, PB16):
     return ik.jit_kernel(gnh_part)
 
 
-def make_norm_kernel(CC, SILU, W16, PB, PB16):
-    def gnh_norm(xw, yw, part, w, b, pb, N, V, C, G, S, P, eps):
-        """Per sample n: the block's warps merge the G groups' S partials (groupnorm_silu's
-        ``_group_merge``) into shared mean / rstd, each thread forms its 8 channels' affine
-        a_c = rstd gamma_c, b_c = beta_c - mean a_c (+ pb_c a_c), then streams vectors v = V-1-i
-        (V = H W CC per sample; i grid-strided, the stride a multiple of CC): y = act(x a_c + b_c)."""
+def make_coef_kernel(W16, PB, PB16):
+    def gnh_coef(part, w, b, pb, coef, G, C, S, P, NG, eps):
+        """block gi = n G + g (32 threads): merge its S partials -> coef[n C + c] = a_c,
+        coef[N C + n C + c] = b_c (+ pb_c a_c) for the group's channels c."""
         sh = cuda.shared.array(96, float32)
-        smean = cuda.shared.array(256, float32)
-        srstd = cuda.shared.array(256, float32)
         tid = cuda.threadIdx.x
-        warp = tid >> 5
-        nw = (cuda.blockDim.x + 31) >> 5
+        cpg = C // G
+        NC = (NG // G) * C
+        gi = cuda.blockIdx.x
+        while gi < NG:
+            n1, m, q = _group_merge(part, P, gi, S, sh)
+            var = q / n1
+            if var < float32(0):
+                var = float32(0)
+            rstd = rsqrt(var + eps)
+            nn = gi // G
+            c = (gi - nn * G) * cpg + tid
+            hi = (gi - nn * G + 1) * cpg
+            while c < hi:
+                if W16 == 1:
+                    a = rstd * bf2f(w[c])
+                    bb = bf2f(b[c]) - m * a
+                else:
+                    a = rstd * w[c]
+                    bb = b[c] - m * a
+                if PB == 1:
+                    if PB16 == 1:
+                        bb += bf2f(pb[c]) * a
+                    else:
+                        bb += pb[c] * a
+                coef[nn * C + c] = a
+                coef[NC + nn * C + c] = bb
+                c += cuda.blockDim.x
+            gi += cuda.gridDim.x
+
+    return ik.jit_kernel(gnh_coef)
+
+
+def make_norm_kernel(CC, SILU):
+    def gnh_norm(xw, yw, coef, N, V, C):
+        """Vectors v = V-1-i of each sample (V = H W CC per sample; i grid-strided, the stride a
+        multiple of CC): y = act(x a_c + b_c) for the 8 channels of column v % CC."""
+        tid = cuda.threadIdx.x
         stride = cuda.gridDim.x * cuda.blockDim.x
         i0 = cuda.blockIdx.x * cuda.blockDim.x + tid
-        c0 = 8 * (CC - 1 - (i0 % CC))
-        cpg = C // G
+        j = CC - 1 - (i0 % CC)
+        c0 = 8 * j
+        NC = N * C
         for n in range(N):
-            g = warp
-            while g < G:                       # (the simulator: one "warp", every group, block-wide)
-                cnt, m, q = _group_merge(part, P, n * G + g, S, sh)
-                if (tid & 31) == 0:
-                    var = q / cnt
-                    if var < float32(0):
-                        var = float32(0)
-                    smean[g] = m
-                    srstd[g] = rsqrt(var + eps)
-                g += nw
-            cuda.syncthreads()
-            a0, b0 = _ab(c0, cpg, smean, srstd, w, b, pb, W16, PB, PB16)
-            a1, b1 = _ab(c0 + 1, cpg, smean, srstd, w, b, pb, W16, PB, PB16)
-            a2, b2 = _ab(c0 + 2, cpg, smean, srstd, w, b, pb, W16, PB, PB16)
-            a3, b3 = _ab(c0 + 3, cpg, smean, srstd, w, b, pb, W16, PB, PB16)
-            a4, b4 = _ab(c0 + 4, cpg, smean, srstd, w, b, pb, W16, PB, PB16)
-            a5, b5 = _ab(c0 + 5, cpg, smean, srstd, w, b, pb, W16, PB, PB16)
-            a6, b6 = _ab(c0 + 6, cpg, smean, srstd, w, b, pb, W16, PB, PB16)
-            a7, b7 = _ab(c0 + 7, cpg, smean, srstd, w, b, pb, W16, PB, PB16)
-            cuda.syncthreads()                 # (the next sample rewrites smean / srstd)
+            o = n * C + c0
+            a0 = coef[o]
+            a1 = coef[o + 1]
+            a2 = coef[o + 2]
+            a3 = coef[o + 3]
+            a4 = coef[o + 4]
+            a5 = coef[o + 5]
+            a6 = coef[o + 6]
+            a7 = coef[o + 7]
+            b0 = coef[NC + o]
+            b1 = coef[NC + o + 1]
+            b2 = coef[NC + o + 2]
+            b3 = coef[NC + o + 3]
+            b4 = coef[NC + o + 4]
+            b5 = coef[NC + o + 5]
+            b6 = coef[NC + o + 6]
+            b7 = coef[NC + o + 7]
             top = (n + 1) * V - 1
             i = i0
             while i + (U - 1) * stride < V:
@@ -313,7 +320,7 @@ _launchers = {}
 def _launcher(kind, *key):
     la = _launchers.get((kind,) + key)
     if la is None:
-        fac = {"part": make_part_kernel, "norm": make_norm_kernel}[kind]
+        fac = {"part": make_part_kernel, "coef": make_coef_kernel, "norm": make_norm_kernel}[kind]
         la = _launchers[(kind,) + key] = ik.Launcher(lambda: fac(*key))
     return la
 
@@ -349,8 +356,8 @@ def check(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
         return "x must be channels_last (NHWC) contiguous"
     C = x.shape[1]
     G = int(num_groups)
-    if C % 8 or C % G or C // 8 > TPB or (C // 8) & (C // 8 - 1) or G > 256:
-        return f"C={C}, groups={G}: C/8 must be a power of two <= {TPB}, groups <= 256 dividing C"
+    if C % 8 or C % G or C // 8 > TPB:
+        return f"C={C}, groups={G}: C must be a multiple of 8 and of groups, C <= {8 * TPB}"
     cpg = C // G
     if cpg % 8 and 8 % cpg:
         return f"channels per group {cpg}: must divide 8 or be a multiple of 8"
@@ -388,8 +395,9 @@ def _plan(shape, G, wdt, pdt, silu):
         V = HW * CC
         nblk = N * S
         pl = (_launcher("part", C, G, PB, PB16), min(nblk, 2) if SIMULATOR else nblk,
-              _launcher("norm", CC, 1 if silu else 0, 1 if wdt == torch.bfloat16 else 0, PB, PB16),
-              _norm_grid(V, tpb), tpb, (HW, S, P), (N, V, C, G, S, P), 3 * P)
+              _launcher("coef", 1 if wdt == torch.bfloat16 else 0, PB, PB16), min(NG, 2) if SIMULATOR else NG,
+              _launcher("norm", CC, 1 if silu else 0), _norm_grid(V, tpb), tpb, (HW, S, P), (G, C, S, P, NG),
+              (N, V, C), 3 * P, 2 * N * C)
         if len(_PLANS) > 512:
             _PLANS.clear()
         _PLANS[key] = pl
@@ -399,15 +407,17 @@ def _plan(shape, G, wdt, pdt, silu):
 def groupnorm_silu_nhwc_numba(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
     if weight.dtype != bias.dtype:
         weight, bias = weight.float(), bias.float()
-    lp, gp, ln, gn, tpb, ap, an, npart = _plan(
+    lp, gp, lc, gc, ln, gn, tpb, ap, ac, an, npart, ncoef = _plan(
         tuple(x.shape), int(num_groups), weight.dtype, None if pre_bias is None else pre_bias.dtype, bool(silu))
-    part = torch.empty(npart, device=x.device, dtype=torch.float32)
+    buf = torch.empty(npart + ncoef, device=x.device, dtype=torch.float32)
+    part, coef = buf[:npart], buf[npart:]
     y = torch.empty_like(x, memory_format=torch.channels_last)
     xw = x.permute(0, 2, 3, 1).view(-1).view(torch.int64)       # NHWC memory as int64 words
     yw = y.permute(0, 2, 3, 1).view(-1).view(torch.int64)
     pb = weight if pre_bias is None else pre_bias               # (a placeholder of the same kind when unused)
     lp(gp, TPB, xw, pb, part, *ap)
-    ln(gn, tpb, xw, yw, part, weight, bias, pb, *an, np.float32(eps))
+    lc(gc, 32, part, weight, bias, pb, coef, *ac, np.float32(eps))
+    ln(gn, tpb, xw, yw, coef, *an)
     return y
 
 
