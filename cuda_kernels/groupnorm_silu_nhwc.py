@@ -17,16 +17,20 @@ strided; a pixel row of C channels (C/8 16-byte columns) is the contiguous unit.
 keeps one 16-byte column j for all its work touches a fixed set of 8 channels -- one group when
 C/G >= 8, 8/(C/G) groups when C/G divides 8 -- so it needs only those 8 channels' coefficients.
 
-Numba backend, three launches through ``intrinsics.Launcher``:
+Numba backend, two launches through ``intrinsics.Launcher`` (launch plan cached per shape):
   1. ``gnh_part``: block = (sample n, pixel chunk s of S); thread = (pixel lane r of R, column j),
      R = TPB / (C/8).  Per iteration each thread issues U=4 independent 16-byte loads (pixels
-     p, p+R, ...) before any math (+ its 8 pre_bias values, registers), folds the exact two-pass mean/M2 of that batch into its running
-     (count, mean, M2) per group with one branch-free Chan update; block merge in shared memory,
-     one thread per group.  Partials fp32 SoA [3, N*G*S], group-major (as groupnorm_silu's).
-  2. ``gnh_coef``: one 32-thread block per (n, g) merges the S partials (groupnorm_silu's
-     ``_group_merge``: warp shuffles; a shared-memory tree in the simulator) and writes the
-     per-channel affine of the normalisation, a = rstd gamma_c, b = beta_c - mean a, fp32 [2, N, C].
-  3. ``gnh_norm``: a grid-stride stream over the 16-byte vectors of x, backwards (the tail of x the
+     p, p+R, ...) before any math (+ its 8 pre_bias values, registers), folds the exact two-pass
+     mean/M2 of that batch into its running (count, mean, M2) per group with one branch-free Chan
+     update; block merge in shared memory, one thread per group.  Partials fp32 SoA [3, N*G*S],
+     group-major (as groupnorm_silu's).  The block that finishes a sample's last chunk (an atomic
+     ticket per sample, after a threadfence) then merges that sample's G x S partials -- warp w
+     takes groups w, w + 8, ... (groupnorm_silu's ``_group_merge``: lanes over the partials,
+     shuffles; a shared-memory tree in the simulator) -- and writes the per-channel affine
+     a = rstd gamma_c, b = beta_c - mean a, fp32 [2, N, C].  (One block per sample does this, not
+     every block of the next kernel: tag ``gn-nhwc-merged-coef-v1`` measured that 2.4-3.6x slower;
+     not a third launch either: the decoder's 128^2 stage is host-bound.)
+  2. ``gnh_norm``: a grid-stride stream over the 16-byte vectors of x, backwards (the tail of x the
      statistics pass left in L2 is re-read first); the grid stride is a multiple of C/8, so each
      thread's column -- and its 8 (a, b) pairs, registers -- never changes within a sample:
      4 x 16-byte loads, y = x a + b, SiLU as y rcp(1 + ex2(-y log2 e)), RNE to bf16, 16-byte stores.
@@ -48,7 +52,7 @@ from . import intrinsics as ik
 from . import runtime
 from .registry import registry
 # module globals (not closure cells): the simulator swaps `cuda` per thread
-from .intrinsics import cuda, float32, unpack4, pack4, ld2, st2, bf2f, rsqrt  # noqa: F401
+from .intrinsics import cuda, float32, int32, unpack4, pack4, ld2, st2, bf2f, rsqrt  # noqa: F401
 
 OP = "groupnorm_silu_nhwc"
 SIMULATOR = runtime.SIMULATOR
@@ -96,7 +100,7 @@ def _layout(C, G):
     return CC, TPB // CC, GPC, 8 // GPC
 
 
-def make_part_kernel(C, G, PB, PB16):
+def make_part_kernel(C, G, PB, PB16, W16):
     CC, R, GPC, CPA = _layout(C, G)
     cpg = C // G
     CW2 = C // 8                     # 16-byte columns per pixel
@@ -108,9 +112,13 @@ def make_part_kernel(C, G, PB, PB16):
     SHW = TPB * GPC
     COLS_PER_G = cpg // 8 if cpg >= 8 else 1
 
-    def gnh_part(xw, pb, part, HW, S, P):
+    def gnh_part(xw, pb, part, cnt, w, b, coef, HW, S, P, N, eps):
         """block blk = n * S + s -> part[(n G + g) S + s] (+ P, + 2P) = (count, mean, M2) of group g
-        (of x + pb when PB) over pixels [HW s // S, HW (s + 1) // S) of sample n."""
+        (of x + pb when PB) over pixels [HW s // S, HW (s + 1) // S) of sample n; the block that
+        finishes sample n's last chunk (atomic ticket cnt[n] == S - 1) merges its G groups' S
+        partials and writes coef[n C + c] = a_c, coef[N C + n C + c] = b_c (+ pb_c a_c)."""
+        flag = cuda.shared.array(1, int32)
+        sh = cuda.shared.array(96, float32)
         shn = cuda.shared.array(SHW, float32)
         shm = cuda.shared.array(SHW, float32)
         shq = cuda.shared.array(SHW, float32)
@@ -217,48 +225,42 @@ def make_part_kernel(C, G, PB, PB16):
                 part[P + o] = m1
                 part[2 * P + o] = q1
                 g += TPB
+            cuda.threadfence()
+            cuda.syncthreads()
+            if tid == 0:
+                flag[0] = cuda.atomic.add(cnt, n, 1)
+            cuda.syncthreads()
+            if flag[0] == S - 1:                  # sample n's last chunk: its coefficients
+                cuda.threadfence()
+                lane = tid & 31
+                g = tid >> 5                      # warp w: groups w, w + 8, ... (simulator: one warp)
+                while g < G:
+                    n1, m1, q1 = _group_merge(part, P, n * G + g, S, sh)
+                    var = q1 / n1
+                    if var < float32(0):
+                        var = float32(0)
+                    rstd = rsqrt(var + eps)
+                    c = g * cpg + lane
+                    while c < (g + 1) * cpg:
+                        if W16 == 1:
+                            a = rstd * bf2f(w[c])
+                            bb = bf2f(b[c]) - m1 * a
+                        else:
+                            a = rstd * w[c]
+                            bb = b[c] - m1 * a
+                        if PB == 1:
+                            if PB16 == 1:
+                                bb += bf2f(pb[c]) * a
+                            else:
+                                bb += pb[c] * a
+                        coef[n * C + c] = a
+                        coef[N * C + n * C + c] = bb
+                        c += 32
+                    g += (TPB + 31) >> 5
             cuda.syncthreads()
             blk += cuda.gridDim.x
 
     return ik.jit_kernel(gnh_part)
-
-
-def make_coef_kernel(W16, PB, PB16):
-    def gnh_coef(part, w, b, pb, coef, G, C, S, P, NG, eps):
-        """block gi = n G + g (32 threads): merge its S partials -> coef[n C + c] = a_c,
-        coef[N C + n C + c] = b_c (+ pb_c a_c) for the group's channels c."""
-        sh = cuda.shared.array(96, float32)
-        tid = cuda.threadIdx.x
-        cpg = C // G
-        NC = (NG // G) * C
-        gi = cuda.blockIdx.x
-        while gi < NG:
-            n1, m, q = _group_merge(part, P, gi, S, sh)
-            var = q / n1
-            if var < float32(0):
-                var = float32(0)
-            rstd = rsqrt(var + eps)
-            nn = gi // G
-            c = (gi - nn * G) * cpg + tid
-            hi = (gi - nn * G + 1) * cpg
-            while c < hi:
-                if W16 == 1:
-                    a = rstd * bf2f(w[c])
-                    bb = bf2f(b[c]) - m * a
-                else:
-                    a = rstd * w[c]
-                    bb = b[c] - m * a
-                if PB == 1:
-                    if PB16 == 1:
-                        bb += bf2f(pb[c]) * a
-                    else:
-                        bb += pb[c] * a
-                coef[nn * C + c] = a
-                coef[NC + nn * C + c] = bb
-                c += cuda.blockDim.x
-            gi += cuda.gridDim.x
-
-    return ik.jit_kernel(gnh_coef)
 
 
 def make_norm_kernel(CC, SILU):
@@ -320,7 +322,7 @@ _launchers = {}
 def _launcher(kind, *key):
     la = _launchers.get((kind,) + key)
     if la is None:
-        fac = {"part": make_part_kernel, "coef": make_coef_kernel, "norm": make_norm_kernel}[kind]
+        fac = {"part": make_part_kernel, "norm": make_norm_kernel}[kind]
         la = _launchers[(kind,) + key] = ik.Launcher(lambda: fac(*key))
     return la
 
@@ -394,10 +396,9 @@ def _plan(shape, G, wdt, pdt, silu):
         tpb = (TPB // CC) * CC
         V = HW * CC
         nblk = N * S
-        pl = (_launcher("part", C, G, PB, PB16), min(nblk, 2) if SIMULATOR else nblk,
-              _launcher("coef", 1 if wdt == torch.bfloat16 else 0, PB, PB16), min(NG, 2) if SIMULATOR else NG,
-              _launcher("norm", CC, 1 if silu else 0), _norm_grid(V, tpb), tpb, (HW, S, P), (G, C, S, P, NG),
-              (N, V, C), 3 * P, 2 * N * C)
+        pl = (_launcher("part", C, G, PB, PB16, 1 if wdt == torch.bfloat16 else 0), min(nblk, 2) if SIMULATOR else nblk,
+              _launcher("norm", CC, 1 if silu else 0), _norm_grid(V, tpb), tpb, (HW, S, P, N), (N, V, C),
+              3 * P, 2 * N * C)
         if len(_PLANS) > 512:
             _PLANS.clear()
         _PLANS[key] = pl
@@ -407,16 +408,16 @@ def _plan(shape, G, wdt, pdt, silu):
 def groupnorm_silu_nhwc_numba(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
     if weight.dtype != bias.dtype:
         weight, bias = weight.float(), bias.float()
-    lp, gp, lc, gc, ln, gn, tpb, ap, ac, an, npart, ncoef = _plan(
+    lp, gp, ln, gn, tpb, ap, an, npart, ncoef = _plan(
         tuple(x.shape), int(num_groups), weight.dtype, None if pre_bias is None else pre_bias.dtype, bool(silu))
     buf = torch.empty(npart + ncoef, device=x.device, dtype=torch.float32)
     part, coef = buf[:npart], buf[npart:]
+    cnt = torch.zeros(x.shape[0], device=x.device, dtype=torch.int32)   # chunk tickets per sample
     y = torch.empty_like(x, memory_format=torch.channels_last)
     xw = x.permute(0, 2, 3, 1).view(-1).view(torch.int64)       # NHWC memory as int64 words
     yw = y.permute(0, 2, 3, 1).view(-1).view(torch.int64)
     pb = weight if pre_bias is None else pre_bias               # (a placeholder of the same kind when unused)
-    lp(gp, TPB, xw, pb, part, *ap)
-    lc(gc, 32, part, weight, bias, pb, coef, *ac, np.float32(eps))
+    lp(gp, TPB, xw, pb, part, cnt, weight, bias, coef, *ap, np.float32(eps))
     ln(gn, tpb, xw, yw, coef, *an)
     return y
 
