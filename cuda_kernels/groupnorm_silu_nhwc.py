@@ -29,7 +29,8 @@ Numba backend, two launches through ``intrinsics.Launcher`` (launch plan cached 
      shuffles; a shared-memory tree in the simulator) -- and writes the per-channel affine
      a = rstd gamma_c, b = beta_c - mean a, fp32 [2, N, C].  (One block per sample does this, not
      every block of the next kernel: tag ``gn-nhwc-merged-coef-v1`` measured that 2.4-3.6x slower;
-     not a third launch either: the decoder's 128^2 stage is host-bound.)
+     not a third launch either: the decoder's 128^2 stage is host-bound.  S <= 256 keeps that
+     merge short: with up to 1024 chunks it cost 30-80 us per call, session 8 run g.)
   2. ``gnh_norm``: a grid-stride stream over the 16-byte vectors of x, backwards (the tail of x the
      statistics pass left in L2 is re-read first); the grid stride is a multiple of C/8, so each
      thread's column -- and its 8 (a, b) pairs, registers -- never changes within a sample:
@@ -74,15 +75,9 @@ def reference(x, num_groups, weight, bias, eps: float = 1e-6, silu: bool = True,
 registry.register(OP, reference, doc=__doc__)
 
 if ik.NUMBA_OK:
-    from .groupnorm_silu import _merge, _group_merge, _silu  # noqa: F401  (device helpers)
+    from .groupnorm_silu import _merge, _group_merge, _act  # noqa: F401  (device helpers)
 
     _dev = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
-
-    @_dev
-    def _act(y, silu):
-        if silu == 1:
-            return _silu(y)
-        return y
 
     @_dev
     def _y4(w, a0, a1, a2, a3, b0, b1, b2, b3, silu):

@@ -209,18 +209,23 @@ def _small_decoder(M, dtype):
     return dec.eval().to(DEV, dtype)
 
 
-@pytest.mark.comfyui
-def test_decoder_patched_matches_stock(strict):
-    M = _comfy()
+def _small_vae(M, dtype):
+    """(decoder, its first_stage_model, a VAE-like object with a ModelPatcher) for the node."""
     import comfy.model_patcher
-    node = _node_module().FluxNumbaVAEPatch()
-
-    dec = _small_decoder(M, torch.float32)
+    dec = _small_decoder(M, dtype)
     fsm = torch.nn.Module()
     fsm.decoder = dec
     dev = torch.device(DEV)
     vae = types.SimpleNamespace(first_stage_model=fsm, latent_channels=16,
                                 patcher=comfy.model_patcher.ModelPatcher(fsm, load_device=dev, offload_device=dev))
+    return dec, fsm, vae
+
+
+@pytest.mark.comfyui
+def test_decoder_patched_matches_stock(strict):
+    M = _comfy()
+    node = _node_module().FluxNumbaVAEPatch()
+    dec, fsm, vae = _small_vae(M, torch.float32)
     z = torch.randn(1, 16, 3, 5, device=DEV)  # odd latent: mid 3x5, then 6x10
     with torch.no_grad():
         stock = fsm.decoder(z)
@@ -249,17 +254,6 @@ def test_decoder_patched_matches_stock(strict):
     assert node.patch(sd_vae)[0] is sd_vae
 
 
-def _bf16_vae(M):
-    import comfy.model_patcher
-    dec = _small_decoder(M, torch.bfloat16)
-    fsm = torch.nn.Module()
-    fsm.decoder = dec
-    dev = torch.device(DEV)
-    vae = types.SimpleNamespace(first_stage_model=fsm, latent_channels=16,
-                                patcher=comfy.model_patcher.ModelPatcher(fsm, load_device=dev, offload_device=dev))
-    return dec, fsm, vae
-
-
 def _decode(vae, fsm, z, **patch_kw):
     """(patched decoder output, registry usage) with ``vae`` patched by the node, then unpatched."""
     out = _node_module().FluxNumbaVAEPatch().patch(vae, **patch_kw)[0]
@@ -279,7 +273,7 @@ def test_decoder_nhwc_matches_stock(strict, monkeypatch):
     upsample on the Numba NHWC kernels, the conv biases (+ residuals) on bias_residual_nhwc or folded
     into the next GroupNorm, NCHW image out; close to stock bf16 and to fp32."""
     M = _comfy()
-    dec, fsm, vae = _bf16_vae(M)
+    dec, fsm, vae = _small_vae(M, torch.bfloat16)
     dec.mid.attn_1.optimized_attention = M.pytorch_attention     # ComfyUI's choice on CUDA (CPU: split)
     z = torch.randn(2, 16, 4, 5, device=DEV).to(torch.bfloat16)   # 2 images, odd width (20 tokens: vae_attention takes L % 4 == 0)
     with torch.no_grad():
@@ -317,7 +311,7 @@ def test_decoder_nhwc_matches_stock(strict, monkeypatch):
 def test_decoder_nhwc_layout_choice(strict):
     """layout nchw, backend torch and an fp32 VAE keep the stock layout (the NCHW op runs)."""
     M = _comfy()
-    dec, fsm, vae = _bf16_vae(M)
+    dec, fsm, vae = _small_vae(M, torch.bfloat16)
     z = torch.randn(1, 16, 2, 3, device=DEV).to(torch.bfloat16)
     _, used = _decode(vae, fsm, z, layout="nchw")
     assert "groupnorm_silu_nhwc" not in used and "upsample_nearest2x" not in used, used
@@ -334,7 +328,7 @@ def test_decoder_nhwc_failure_runs_nchw(monkeypatch, caplog):
     gives the stock-layout result); out-of-memory is re-raised for ComfyUI's tiled fallback."""
     M = _comfy()
     VP = _node_module()
-    dec, fsm, vae = _bf16_vae(M)
+    dec, fsm, vae = _small_vae(M, torch.bfloat16)
     z = torch.randn(1, 16, 2, 3, device=DEV).to(torch.bfloat16)
     ref, _ = _decode(vae, fsm, z, layout="nchw")
     calls = []

@@ -1,8 +1,6 @@
 """groupnorm_silu_nhwc and upsample_nearest2x (the NHWC VAE decoder's kernels) against their torch
 references on fresh random inputs: simulator-sized shapes here; FLUX_NUMBA_REAL_GPU=1 adds the
 decoder's shapes on a GPU."""
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,37 +15,9 @@ DEV = "cpu" if runtime.SIMULATOR else "cuda"
 CL = torch.channels_last
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_simulator():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-5)
-    yield
-    sys.setswitchinterval(old)
-
-
-@pytest.fixture
-def strict():
-    old = registry.strict
-    registry.strict = True
-    yield
-    registry.strict = old
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    """Every buffer the launchers allocate (output, partials, coefficients) starts as NaN."""
-    empty_like, empty = torch.empty_like, torch.empty
-
-    def nan_like(t, *a, **k):
-        return empty_like(t, *a, **k).fill_(float("nan"))
-
-    def nan_empty(*a, **k):
-        out = empty(*a, **k)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    for m in (gnh, up, br):
-        monkeypatch.setattr(m.torch, "empty_like", nan_like)
-        monkeypatch.setattr(m.torch, "empty", nan_empty)
+# the simulator speed-up, registry.strict and the NaN-poisoned torch.empty / empty_like (they patch
+# torch itself, so they cover these modules' allocations too)
+from test_vae import _fast_simulator, strict, poison  # noqa: E402,F401
 
 
 def _inputs(shape, wdtype, mean=0.0, scale=2.0, seed=None):
