@@ -148,7 +148,9 @@ def test_flux1_dev_graph():
     assert ks["widgets_values"][3] == 1.0, "FLUX.1-dev is guidance-distilled: cfg 1.0"
     dec = _source(nodes, wf, by_type["SaveImage"][0]["id"], "images")
     assert dec["type"] == "VAEDecode" and _source(nodes, wf, dec["id"], "samples")["id"] == ks["id"]
-    assert _source(nodes, wf, dec["id"], "vae")["type"] == "VAELoader"
+    vpatch = _source(nodes, wf, dec["id"], "vae")   # the decode goes through the NHWC VAE patch
+    assert vpatch["type"] == "FluxNumbaVAEPatch" and vpatch["widgets_values"] == [True, "auto", "nhwc"]
+    assert _source(nodes, wf, vpatch["id"], "vae")["type"] == "VAELoader"
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=[os.path.basename(p) for p in WORKFLOWS])
