@@ -225,6 +225,12 @@ def forced(op, *a, **k):
         registry.strict = False
 
 
+def _row(name, ok, check, t_torch, t_ours, gbs, host_us, queued, extra):
+    """A table row of the NHWC kernel section (the torch column is the same op on channels_last x)."""
+    rows.append((name, "OK" if ok else "FAIL", check, f"{t_torch:.3f}", f"{t_ours:.3f}", f"{t_torch / t_ours:.1f}x",
+                 f"{gbs:.0f}", f"{100 * gbs * 1e9 / CEIL:.0f}%/3.7", f"{host_us:.0f}" + ("" if queued else "!"), extra))
+
+
 def run_nhwc_kernels():
     for C, H in NHWC_SHAPES:
         name = f"nhwc {C}x{H}^2"
@@ -248,9 +254,7 @@ def run_nhwc_kernels():
         note(name, ok=ok, nan=nan, rel_err=f"{err:.2e}", stock_rel_err=f"{serr:.2e}", ours_nhwc_ms=round(t_ours, 4),
              torch_nhwc_ms=round(t_tcl, 4), ours_nchw_ms=round(t_nchw, 4), torch_nchw_ms=round(t_tn, 4),
              GBps=round(gbs), pct_3p7=round(100 * gbs * 1e9 / CEIL, 1), host_us=round(h_ours, 1), queued_ok=q1)
-        rows.append((name, "OK" if ok else "FAIL", f"{err:.1e}/{serr:.1e}", f"{t_tcl:.3f}", f"{t_ours:.3f}",
-                     f"{t_tcl / t_ours:.1f}x", f"{gbs:.0f}", f"{100 * gbs * 1e9 / CEIL:.0f}%/3.7",
-                     f"{h_ours:.0f}" + ("" if q1 else "!"), f"nchw {t_nchw:.3f}/{t_tn:.3f}"))
+        _row(name, ok, f"{err:.1e}/{serr:.1e}", t_tcl, t_ours, gbs, h_ours, q1, f"nchw {t_nchw:.3f}/{t_tn:.3f}")
         del x, xn
         torch.cuda.empty_cache()
     for C, H in UP_SHAPES:
@@ -266,13 +270,9 @@ def run_nhwc_kernels():
         gbs = 5 * x.numel() * 2 / (t_ours * 1e-3) / 1e9
         note(name, ok=ok, ours_ms=round(t_ours, 4), torch_nhwc_ms=round(t_tcl, 4), torch_nchw_ms=round(t_tn, 4),
              GBps=round(gbs), host_us=round(h_ours, 1))
-        rows.append((name, "OK" if ok else "FAIL", "bit-exact" if ok else "MISMATCH", f"{t_tcl:.3f}", f"{t_ours:.3f}",
-                     f"{t_tcl / t_ours:.1f}x", f"{gbs:.0f}", f"{100 * gbs * 1e9 / CEIL:.0f}%/3.7",
-                     f"{h_ours:.0f}" + ("" if q1 else "!"), f"nchw torch {t_tn:.3f}"))
+        _row(name, ok, "bit-exact" if ok else "MISMATCH", t_tcl, t_ours, gbs, h_ours, q1, f"nchw torch {t_tn:.3f}")
         del x, xn
         torch.cuda.empty_cache()
-
-
     for C, H in BR_SHAPES:
         name = f"bias+res {C}x{H}^2"
         y0 = torch.randn((1, C, H, H), device=DEV).to(torch.bfloat16).contiguous(memory_format=CL)
@@ -289,9 +289,7 @@ def run_nhwc_kernels():
         gbs = 3 * y0.numel() * 2 / (t_ours * 1e-3) / 1e9
         note(name, ok=ok, ours_ms=round(t_ours, 4), torch_bias_then_add_ms=round(t_t, 4), torch_bias_ms=round(t_b, 4),
              GBps=round(gbs), host_us=round(h_ours, 1))
-        rows.append((name, "OK" if ok else "FAIL", "1 rounding", f"{t_t:.3f}", f"{t_ours:.3f}", f"{t_t / t_ours:.1f}x",
-                     f"{gbs:.0f}", f"{100 * gbs * 1e9 / CEIL:.0f}%/3.7", f"{h_ours:.0f}" + ("" if q1 else "!"),
-                     f"torch bias alone {t_b:.3f}"))
+        _row(name, ok, "1 rounding", t_t, t_ours, gbs, h_ours, q1, f"torch bias alone {t_b:.3f}")
         del y0, r, yy
         torch.cuda.empty_cache()
 
