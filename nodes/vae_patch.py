@@ -27,8 +27,9 @@ statistics (``pre_bias``), conv2's bias and the residual add are one ``bias_resi
 (the attention's proj_out likewise), every other conv's bias a ``bias_residual_nhwc`` pass alone.
 The mid block's attention (head dim 512, where torch's SDPA falls back to its mem-efficient kernel)
 -> ``vae_attention`` when ComfyUI's choice is ``pytorch_attention`` (its SDPA is the reference);
-xformers / split attention stay ComfyUI's and take the channels_last q / k / v as they are.  An exception inside the NHWC path (other than out-of-memory, which ComfyUI's own
-tiled fallback handles) is logged once and that latent shape then runs the NCHW path.
+xformers / split attention stay ComfyUI's and take the channels_last q / k / v as they are.
+An exception inside the NHWC path (other than out-of-memory, which ComfyUI's own tiled fallback
+handles) is logged once and that latent shape then runs the NCHW path.
 Layout "nchw" (and fp32 / fp16 VAEs, decoder keyword arguments): stock memory layout with the
 GroupNorm(+SiLU) pairs routed through ``groupnorm_silu``.
 Patched call sites (2-D decoders only; anything else runs the stock forward):
@@ -104,17 +105,25 @@ def _plain_conv(conv):
     return isinstance(conv, torch.nn.Conv2d) and hasattr(conv, "_conv_forward")
 
 
-def _conv_nhwc(conv, x, residual=None):
-    """ComfyUI's convolution of channels_last ``x`` (weights as its op gets them: ``op_weights``) with
-    the bias (+ residual) added in one pass by ``bias_residual_nhwc`` instead of torch's broadcast add."""
-    if not _plain_conv(conv):
-        y = conv(x)
-        return y if residual is None else y + residual
+@contextlib.contextmanager
+def _conv_without_bias(conv, x):
+    """(y, bias): ComfyUI's convolution of channels_last ``x`` without its bias (weights as its op
+    gets them: ``op_weights``, valid inside the context), y channels_last."""
     _every_op()
     with op_weights(conv, x) as (w, b):
         y = conv._conv_forward(x, w, None)
         if not _is_nhwc(y) and y.shape[1] % 8 == 0:   # (cuDNN keeps channels_last; some CPU kernels do not)
             y = y.contiguous(memory_format=CL)
+        yield y, b
+
+
+def _conv_nhwc(conv, x, residual=None):
+    """The convolution with its bias (+ residual) added in one pass by ``bias_residual_nhwc`` instead
+    of torch's broadcast add."""
+    if not _plain_conv(conv):
+        y = conv(x)
+        return y if residual is None else y + residual
+    with _conv_without_bias(conv, x) as (y, b):
         if b is None:
             return y if residual is None else y.add_(residual)
         return registry.call(BR_OP, y, b, residual)
@@ -128,14 +137,11 @@ def _dropout_off(blk):
 def _resnet_nhwc(self, x):
     """norm1+SiLU -> conv1 (bias folded into norm2) -> norm2+SiLU -> conv2 (+ bias + shortcut, one pass)."""
     h = group_norm_act(self.norm1, x, True)
-    conv1 = self.conv1
-    if _plain_conv(conv1):
-        _every_op()
-        with op_weights(conv1, h) as (w, b):
-            h = conv1._conv_forward(h, w, None)
+    if _plain_conv(self.conv1):
+        with _conv_without_bias(self.conv1, h) as (h, b):
             h = group_norm_act(self.norm2, h, True, pre_bias=b)
     else:
-        h = group_norm_act(self.norm2, conv1(h), True)
+        h = group_norm_act(self.norm2, self.conv1(h), True)
     if self.in_channels != self.out_channels:
         x = _conv_nhwc(self.conv_shortcut if self.use_conv_shortcut else self.nin_shortcut, x)
     return _conv_nhwc(self.conv2, h, residual=x)
@@ -347,9 +353,9 @@ class FluxNumbaVAEPatch:
     RETURN_TYPES = ("VAE",)
     RETURN_NAMES = ("vae",)
     FUNCTION = "patch"
-    DESCRIPTION = ("Clones the VAE and runs the FLUX VAE decoder NHWC end to end: fused GroupNorm+SiLU and "
-                   "upsample Numba-CUDA kernels between cuDNN's NHWC convolutions (no layout conversions). "
-                   "The input VAE is untouched; other VAEs pass through.")
+    DESCRIPTION = ("Clones the VAE and runs the FLUX VAE decoder NHWC end to end: Numba-CUDA GroupNorm+SiLU, "
+                   "upsample, conv bias+residual and attention-softmax kernels between cuDNN's NHWC convolutions "
+                   "(no layout conversions). The input VAE is untouched; other VAEs pass through.")
 
     @classmethod
     def INPUT_TYPES(cls):
