@@ -133,11 +133,9 @@ def _nhwc16(t):
 
 
 def check(y, bias, residual=None):
-    why = runtime.device_ok(y, bias, residual)
+    why = ik.common_check(y, bias, residual, bf16_only=False)
     if why:
         return why
-    if not ik.NUMBA_OK:
-        return "numba not importable"
     if not _nhwc16(y) or y.numel() == 0:
         return "y must be a non-empty 16-byte aligned channels_last bf16 [N, C, H, W]"
     C = y.shape[1]
@@ -155,8 +153,8 @@ def check(y, bias, residual=None):
 def bias_residual_nhwc_numba(y, bias, residual=None):
     C = y.shape[1]
     CC = C // 8
-    yw = y.permute(0, 2, 3, 1).reshape(-1).view(torch.int64)
-    rw = yw if residual is None else residual.permute(0, 2, 3, 1).reshape(-1).view(torch.int64)
+    yw = ik.nhwc_words(y)
+    rw = yw if residual is None else ik.nhwc_words(residual)
     V = y.numel() // 8
     tpb = (TPB // CC) * CC
     grid = 2 if SIMULATOR else max(1, min(-(-V // (tpb * U)), 8 * runtime.sm_count()))

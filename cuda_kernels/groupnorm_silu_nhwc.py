@@ -340,11 +340,9 @@ def _norm_grid(V, tpb):
 
 
 def check(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
-    why = runtime.device_ok(x, weight, bias, pre_bias)
+    why = ik.common_check(x, weight, bias, pre_bias, bf16_only=False)
     if why:
         return why
-    if not ik.NUMBA_OK:
-        return "numba not importable"
     if x.dtype != torch.bfloat16:
         return f"x dtype {x.dtype} (bf16 only)"
     if x.dim() != 4 or x.numel() == 0:
@@ -409,8 +407,7 @@ def groupnorm_silu_nhwc_numba(x, num_groups, weight, bias, eps=1e-6, silu=True, 
     part, coef = buf[:npart], buf[npart:]
     cnt = torch.zeros(x.shape[0], device=x.device, dtype=torch.int32)   # chunk tickets per sample
     y = torch.empty_like(x, memory_format=torch.channels_last)
-    xw = x.permute(0, 2, 3, 1).view(-1).view(torch.int64)       # NHWC memory as int64 words
-    yw = y.permute(0, 2, 3, 1).view(-1).view(torch.int64)
+    xw, yw = ik.nhwc_words(x), ik.nhwc_words(y)
     pb = weight if pre_bias is None else pre_bias               # (a placeholder of the same kind when unused)
     lp(gp, TPB, xw, pb, part, cnt, weight, bias, coef, *ap, np.float32(eps))
     ln(gn, tpb, xw, yw, coef, *an)

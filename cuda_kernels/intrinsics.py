@@ -567,6 +567,11 @@ def aligned16(*ws) -> bool:
     return True
 
 
+def nhwc_words(t: torch.Tensor):
+    """Flat int64 view of a channels_last-contiguous [N, C, H, W] tensor's NHWC memory (no copy)."""
+    return t.permute(0, 2, 3, 1).view(-1).view(torch.int64)
+
+
 def words(t: torch.Tensor):
     """int64 view of a bf16 tensor (4 elements per word) or None when not 8-byte aligned.
 

@@ -78,11 +78,9 @@ def _launcher(CC):
 
 
 def check(x):
-    why = runtime.device_ok(x)
+    why = ik.common_check(x, bf16_only=False)
     if why:
         return why
-    if not ik.NUMBA_OK:
-        return "numba not importable"
     if x.dim() != 4 or x.numel() == 0:
         return "x must be a non-empty [N, C, H, W]"
     if not x.is_contiguous(memory_format=torch.channels_last):
@@ -99,8 +97,7 @@ def check(x):
 def upsample_nearest2x_numba(x):
     N, C, H, W = x.shape
     y = torch.empty((N, C, 2 * H, 2 * W), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
-    xw = x.permute(0, 2, 3, 1).reshape(-1).view(torch.int64)
-    yw = y.permute(0, 2, 3, 1).reshape(-1).view(torch.int64)
+    xw, yw = ik.nhwc_words(x), ik.nhwc_words(y)
     NH = N * H
     grid = min(NH, 2) if SIMULATOR else min(NH, 32 * runtime.sm_count())
     _launcher(C * x.element_size() // 16)(grid, TPB, xw, yw, H, W, NH)

@@ -124,11 +124,9 @@ def _rows_view(t):
 
 
 def check(q, k, v):
-    why = runtime.device_ok(q, k, v)
+    why = ik.common_check(q, k, v)
     if why:
         return why
-    if not ik.NUMBA_OK:
-        return "numba not importable"
     for t in (q, k, v):
         if t.dtype != torch.bfloat16 or t.dim() != 4 or not t.is_contiguous(memory_format=torch.channels_last):
             return "q, k, v must be channels_last bf16 [B, C, H, W]"
