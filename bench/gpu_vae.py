@@ -294,19 +294,25 @@ def run_nhwc_kernels():
         torch.cuda.empty_cache()
 
 
-KCATS = (("cudnn conv", ("xmma_fprop", "implicit_gemm", "conv2d", "convolve", "cutlass", "sm90_", "dgrad")),
-         ("cudnn layout", ("nchwtonhwc", "nhwctonchw")),
+KCATS = (("attention", ("fmha", "attention", "flash", "softmax", "nvjet")),   # (first match wins: before
+         ("cudnn conv", ("xmma_fprop", "implicit_gemm", "conv2d", "convolve", "cutlass", "sm90_", "dgrad")),
+         ("cudnn layout", ("nchwtonhwc", "nhwctonchw")),                        # "cutlass" / "sm90_")
          ("ours", ("flux_numba",)),
-         ("attention", ("fmha", "attention", "flash")),
          ("copies", ("direct_copy", "copy_kernel")))
+GN_KEYS = ("group_norm", "groupnorm", "moments", "stats", "norm_", "cudakernel_norm")
 
 
-def kernel_breakdown(fn, top=12):
-    """Profiler: (total ms, {category: ms}, top kernels [(ms, calls, name)])."""
+def profiled(fn):
+    """The torch profiler (CUDA activity) around one call."""
     from torch.profiler import profile, ProfilerActivity
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_breakdown(prof, top=12):
+    """(total ms, {category: ms}, top kernels [(ms, calls, name)], GroupNorm-kernel ms) of a profile."""
     evs = []
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None)
@@ -315,21 +321,21 @@ def kernel_breakdown(fn, top=12):
         if t and ev.key and not ev.key.startswith(("cudaLaunch", "cudaDevice", "cudaStream", "cudaEvent")):
             evs.append((t / 1e3, ev.count, ev.key))
     cats = {}
+    gn_ms = 0.0
     for ms, _, k in evs:
         kl = k.lower()
         c = next((c for c, keys in KCATS if any(s in kl for s in keys)), "other")
         cats[c] = round(cats.get(c, 0.0) + ms, 3)
+        if any(s in kl for s in GN_KEYS):
+            gn_ms += ms
     evs.sort(reverse=True)
-    return round(sum(e[0] for e in evs), 3), cats, [(round(a, 3), n, k[:90]) for a, n, k in evs[:top]]
+    return (round(sum(e[0] for e in evs), 3), cats, [(round(a, 3), n, k[:90]) for a, n, k in evs[:top]],
+            round(gn_ms, 3))
 
 
-def gpu_gaps(fn, top=12):
-    """Profiler timeline of one call: (GPU busy span ms, sum of idle gaps between kernels ms, the
-    largest gaps with the kernels around them) -- where the device waits for the host."""
-    from torch.profiler import profile, ProfilerActivity
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+def gpu_gaps(prof, top=12):
+    """Timeline of a profiled call: (GPU busy span ms, sum of idle gaps between kernels ms); prints
+    the largest gaps with the kernels around them -- where the device waits for the host."""
     ks = []
     for e in prof.events():
         if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start:
@@ -408,28 +414,6 @@ def psnr(a, b):
     return float("inf") if mse == 0 else 10 * math.log10(rng * rng / mse)
 
 
-def gn_kernel_ms(fn):
-    """(GroupNorm-kernel ms, all-kernel ms) from the profiler (kernel names matched loosely)."""
-    from torch.profiler import profile, ProfilerActivity
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-    except Exception as e:
-        print("profiler failed:", e)
-        return float("nan"), float("nan")
-    tot = gnk = 0.0
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None)
-        if t is None:
-            t = getattr(ev, "cuda_time_total", 0.0)
-        k = ev.key.lower()
-        tot += t
-        if any(s in k for s in ("group_norm", "groupnorm", "moments", "stats", "norm_", "cudakernel_norm")):
-            gnk += t
-    return gnk / 1e3, tot / 1e3
-
-
 def run_decoder():
     M, why = comfy_decoder()
     if M is None:
@@ -457,12 +441,13 @@ def run_decoder():
         t_s = median_ms(lambda: dec(z), warm=2, rep=5)
         t_p = median_ms(lambda: pat(z), warm=2, rep=5)
         t_h = median_ms(lambda: pat_h(z), warm=2, rep=5)
-        gs, ts = gn_kernel_ms(lambda: dec(z))
-        gp, tp = gn_kernel_ms(lambda: pat(z))
-        brk = {k: kernel_breakdown(f) for k, f in (("stock", lambda: dec(z)), ("nchw", lambda: pat(z)),
-                                                  ("nhwc", lambda: pat_h(z)))}
+        profs = {k: profiled(f) for k, f in (("stock", lambda: dec(z)), ("nchw", lambda: pat(z)),
+                                            ("nhwc", lambda: pat_h(z)))}
+        brk = {k: kernel_breakdown(p) for k, p in profs.items()}
+        (ts, _, _, gs), (tp, _, _, gp) = brk["stock"], brk["nchw"]
         host_h = host_ms_of(lambda: pat_h(z))
-        span_h, idle_h = gpu_gaps(lambda: pat_h(z))
+        span_h, idle_h = gpu_gaps(profs.pop("nhwc"))
+        del profs
         with torch.device(DEV):
             d32 = M.Decoder(**cfg)
         d32.load_state_dict({k: v.float() for k, v in dec.state_dict().items()})
@@ -482,7 +467,7 @@ def run_decoder():
          stock_ms=round(t_s, 2),
          nchw_ms=round(t_p, 2), speedup=round(t_s / t_h, 3), psnr_vs_stock=round(h_ps, 1),
          psnr_vs_fp32=round(h_pf, 1), psnr_stock_vs_fp32=round(p_sf, 1), bar_30ms=t_h <= 30.0, breakdown=brk)
-    for k, (tot, cats, topk) in brk.items():
+    for k, (tot, cats, topk, _) in brk.items():
         print(f"  kernels {k}: total {tot:.2f} ms, " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(cats.items())))
         for t_, n_, k_ in topk:
             print(f"      {t_:8.3f} ms {n_:4d}x  {k_}")
@@ -571,6 +556,17 @@ def run_node_path():
                  f"nchw {t_n:.2f}"))
 
 
+def section(name, row, fn):
+    """Run one part of the bench: a failure is noted (and a table row) and the rest still runs."""
+    try:
+        fn()
+    except Exception as e:
+        traceback.print_exc()
+        note(name, ok=False, error=f"{type(e).__name__}: {e}")
+        rows.append((row, "ERROR", str(e)[:40], "", "", "", "", "", "", ""))
+    torch.cuda.empty_cache()
+
+
 def main():
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     keep = None
@@ -594,30 +590,13 @@ def main():
         note("split", error=f"{type(e).__name__}: {e}")
     keep = None
     torch.cuda.empty_cache()
-    try:
-        if not only_dec:
-            run_nhwc_kernels()
-    except Exception as e:
-        traceback.print_exc()
-        note("nhwc kernels", ok=False, error=f"{type(e).__name__}: {e}")
-        rows.append(("nhwc kernels", "ERROR", str(e)[:40], "", "", "", "", "", "", ""))
-    torch.cuda.empty_cache()
-    try:
-        run_decoder()
-    except Exception as e:
-        traceback.print_exc()
-        note("decoder", ok=False, error=f"{type(e).__name__}: {e}")
-        rows.append(("decoder", "ERROR", str(e)[:40], "", "", "", "", "", "", ""))
-    torch.cuda.empty_cache()
-    try:
-        if time.time() - T0 < 240:
-            run_node_path()
-        else:
-            note("node path", skipped="time budget")
-    except Exception as e:
-        traceback.print_exc()
-        note("node path", ok=False, error=f"{type(e).__name__}: {e}")
-        rows.append(("node VAE.decode", "ERROR", str(e)[:40], "", "", "", "", "", "", ""))
+    if not only_dec:
+        section("nhwc kernels", "nhwc kernels", run_nhwc_kernels)
+    section("decoder", "decoder", run_decoder)
+    if time.time() - T0 < 240:
+        section("node path", "node VAE.decode", run_node_path)
+    else:
+        note("node path", skipped="time budget")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gpu_vae.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
