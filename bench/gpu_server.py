@@ -55,7 +55,34 @@ class FluxNumbaBenchConditioning:
         return ([[torch.randn(1, tokens, context_dim, generator=g) * 0.5,
                   {"pooled_output": torch.randn(1, pooled_dim, generator=g), "guidance": 3.5}]],)
 
-NODE_CLASS_MAPPINGS = {"FluxNumbaBenchConditioning": FluxNumbaBenchConditioning}
+class FluxNumbaBenchLatent:
+    """BENCH ONLY: a seeded random FLUX latent [1, 16, res/8, res/8] (decode-only prompts; a new seed
+    per prompt, or ComfyUI would answer from its cache)."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0}), "res": ("INT", {"default": 1024})}}
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "make"
+    CATEGORY = "FluxNumba/bench"
+    def make(self, seed, res):
+        g = torch.Generator().manual_seed(seed)
+        return ({"samples": torch.randn(1, 16, res // 8, res // 8, generator=g)},)
+
+class FluxNumbaBenchSink:
+    """BENCH ONLY: an output node that takes the decoded image and keeps nothing (no PNG encoding in
+    a decode-only prompt's time)."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"images": ("IMAGE",)}}
+    RETURN_TYPES = ()
+    FUNCTION = "sink"
+    OUTPUT_NODE = True
+    CATEGORY = "FluxNumba/bench"
+    def sink(self, images):
+        return {}
+
+NODE_CLASS_MAPPINGS = {"FluxNumbaBenchConditioning": FluxNumbaBenchConditioning,
+                       "FluxNumbaBenchLatent": FluxNumbaBenchLatent, "FluxNumbaBenchSink": FluxNumbaBenchSink}
 '''
 
 AV_STUB = '''"""Stand-in for PyAV (absent on the GPU image): ComfyUI imports it (and av.* submodules)
@@ -105,7 +132,7 @@ sys.meta_path.insert(0, _Finder())
 '''
 
 PROFILE_NODE = r'''
-"""BENCH ONLY (gpu_server.py --profile): profiles the sampler call of a prompt when the control
+"""BENCH ONLY (gpu_server.py --profile): profiles the sampler call (and VAE.decode) of a prompt when the control
 file says so -- cProfile of the host thread, or torch.profiler's GPU kernel time against wall
 time (how busy the GPU is: a step that is host-bound leaves it idle)."""
 import cProfile, io, json, os, pstats, time
@@ -129,9 +156,13 @@ def _mode():
 
 
 def sample(*a, **k):
+    return _profiled(_orig, a, k)
+
+
+def _profiled(orig, a, k):
     mode = _mode()
     if not mode:
-        return _orig(*a, **k)
+        return orig(*a, **k)
     kind, tag = mode.split(":", 1)
     _sync()
     t0 = time.perf_counter()
@@ -139,7 +170,7 @@ def sample(*a, **k):
         pr = cProfile.Profile()
         pr.enable()
         try:
-            out = _orig(*a, **k)
+            out = orig(*a, **k)
             _sync()
         finally:
             pr.disable()
@@ -153,7 +184,7 @@ def sample(*a, **k):
         return out
     from torch.profiler import profile, ProfilerActivity
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = _orig(*a, **k)
+        out = orig(*a, **k)
         _sync()
     wall = time.perf_counter() - t0
     ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -168,10 +199,20 @@ def sample(*a, **k):
 
 
 comfy.sample.sample = sample
+
+import comfy.sd
+_orig_decode = comfy.sd.VAE.decode
+
+
+def vae_decode(self, *a, **k):  # decode-only prompts (gpu_server's vae_* cases): profile the decode
+    return _profiled(lambda *a_, **k_: _orig_decode(self, *a_, **k_), a, k)
+
+
+comfy.sd.VAE.decode = vae_decode
 NODE_CLASS_MAPPINGS = {}
 '''
 
-KEYS = ("fallback", "running ComfyUI's original block", "CUDA graph", "captured a CUDA graph", "is off for this model",
+KEYS = ("fallback", "FluxNumbaVAEPatch", "DynamicVRAM", "running ComfyUI's original block", "CUDA graph", "captured a CUDA graph", "is off for this model",
         "FluxNumbaPatch", "Traceback", "Error", "error", "terminate called", "freeAsync")
 
 
@@ -265,10 +306,31 @@ class GpuMem:
         self.t.join()
 
 
+VAE_CASES = {"vae_stock": None, "vae_patched": "auto", "vae_patched_eager": "off"}
+
+
+def decode_graph(case, res, seed, vae):
+    """Decode-only API prompt (``vae_*`` cases): a random latent -> VAEDecode (through FluxNumbaVAEPatch
+    for vae_patched: low-res CUDA graph auto; vae_patched_eager: graph off) -> a sink output node."""
+    g = {"lat": {"class_type": "FluxNumbaBenchLatent", "inputs": {"seed": seed, "res": res}},
+         "vae": {"class_type": "VAELoader", "inputs": {"vae_name": vae}}}
+    vae_ref = ["vae", 0]
+    if VAE_CASES[case] is not None:
+        g["vpatch"] = {"class_type": "FluxNumbaVAEPatch", "inputs": {"vae": vae_ref, "enabled": True, "backend": "auto",
+                                                                     "layout": "nhwc", "cuda_graph": VAE_CASES[case]}}
+        vae_ref = ["vpatch", 0]
+    g["dec"] = {"class_type": "VAEDecode", "inputs": {"samples": ["lat", 0], "vae": vae_ref}}
+    g["sink"] = {"class_type": "FluxNumbaBenchSink", "inputs": {"images": ["dec", 0]}}
+    return g
+
+
 def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
     """API prompt for one case: stock | patched | patched_fast (profile fast) | patched_fast_cached
     (profile fast-cached) | easycache | lazycache | stock_easycache | stock_lazycache; a case ending in
-    ``_fp8`` loads the weights with UNETLoader's weight_dtype fp8_e4m3fn (stock_fp8, patched_fast_fp8)."""
+    ``_fp8`` loads the weights with UNETLoader's weight_dtype fp8_e4m3fn (stock_fp8, patched_fast_fp8);
+    ``vae_*``: decode-only (``decode_graph``)."""
+    if case in VAE_CASES:
+        return decode_graph(case, res, seed, vae)
     fp8 = case.endswith("_fp8")
     case = case[: -len("_fp8")] if fp8 else case
     patched = case in ("patched", "patched_fast", "patched_fast_cached", "easycache", "lazycache")
@@ -410,7 +472,8 @@ def main():
     env["PYTHONPATH"] = os.pathsep.join([x for x in (env.get("PYTHONPATH"), stub) if x])
 
     t = time.time()
-    write_weights(a.weights)
+    if not all(c in VAE_CASES for c in cases):   # decode-only runs need no FLUX weights
+        write_weights(a.weights)
     vae_path = os.path.join(os.path.dirname(a.weights), "flux_vae_random.safetensors")
     write_vae(vae_path, a.python, a.comfy[0], env)
     print(f"[bench] weights ready ({time.time() - t:.1f} s)", flush=True)
@@ -434,7 +497,8 @@ def main():
                     f.write(PROFILE_NODE)
             for sub, src in (("diffusion_models", a.weights), ("vae", vae_path)):
                 os.makedirs(os.path.join(base, "models", sub))
-                os.symlink(src, os.path.join(base, "models", sub, os.path.basename(src)))
+                if os.path.exists(src):
+                    os.symlink(src, os.path.join(base, "models", sub, os.path.basename(src)))
             rec = {"comfyui": ver, "tree": comfy, "flags": flags, "cases": {}}
             results.append(rec)
             t0 = time.time()

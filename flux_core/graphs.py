@@ -116,8 +116,12 @@ class GraphedForward:
     fresh copy (the static output buffer is reused by the next replay).
     """
 
-    def __init__(self, fn: Callable, module: Optional[torch.nn.Module] = None, warmup: int = 2, max_graphs: int = 4):
+    def __init__(self, fn: Callable, module: Optional[torch.nn.Module] = None, warmup: int = 2, max_graphs: int = 4,
+                 weights_key: Optional[Callable[[], tuple]] = None):
+        """``weights_key``: returns the identity of the weights the graph reads (default: the
+        ``data_ptr`` of every parameter of ``module``); a change re-captures."""
         self.fn, self.module, self.warmup, self.max_graphs = fn, module, max(1, warmup), max_graphs
+        self.weights_key = weights_key
         self.graphs: Dict[tuple, _Entry] = {}
         self._seen: Dict[tuple, int] = {}  # eager warm-up calls made per signature
         self.pool = None
@@ -125,6 +129,8 @@ class GraphedForward:
         self.replays = 0
 
     def _weights_key(self):
+        if self.weights_key is not None:
+            return self.weights_key()
         if self.module is None:
             return None
         return tuple(p.data_ptr() for p in self.module.parameters())

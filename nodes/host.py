@@ -434,6 +434,41 @@ def _freezes_per_call_work(m) -> bool:
     return hasattr(m, "_v") or _has_weight_functions(m)
 
 
+def param_modules(module: torch.nn.Module):
+    """The modules of ``module`` that own parameters -- for ``graph_state`` on a module tree that
+    does not change (ComfyUI replaces parameters in place of their modules, not the modules)."""
+    return [m for m in module.modules() if m._parameters]
+
+
+def graph_state(mods, device: torch.device):
+    """(reasons a captured graph over these modules' weights is unsafe now, the weights' addresses),
+    in one pass over ``param_modules(...)`` -- the per-call check of a graph replayed every decode.
+    The reasons are ``graph_blockers``': weights off ``device``, per-call weight work
+    (``_freezes_per_call_work``), already inside a capture."""
+    if device.type != "cuda":
+        return ["not a CUDA device"], None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ptrs, off, cast = [], None, None
+    for m in mods:
+        if cast is None and _freezes_per_call_work(m):
+            cast = m
+        for n, p in m._parameters.items():
+            if p is None:
+                continue
+            if off is None and (not p.is_cuda or p.get_device() != idx):
+                off = f"{type(m).__name__}.{n} on {p.device}"
+            ptrs.append(p.data_ptr())
+    why = []
+    if off:
+        why.append(f"weights not on cuda:{idx} (offloaded), e.g. {off}")
+    if cast is not None:
+        why.append(f"layers stage or patch their weights per call (DynamicVRAM / weight functions such as "
+                   f"on-the-fly LoRA), e.g. a {type(cast).__name__}")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        why.append("already inside a capture")
+    return why, tuple(ptrs)
+
+
 def graph_blockers(module: torch.nn.Module, device: torch.device):
     """Reasons a whole-forward CUDA graph cannot be captured for this diffusion model now (weights
     off the device -- low-VRAM offload -- are the generic check's)."""

@@ -29,7 +29,10 @@ The mid block's attention (head dim 512, where torch's SDPA falls back to its me
 -> ``vae_attention`` when ComfyUI's choice is ``pytorch_attention`` (its SDPA is the reference);
 xformers / split attention stay ComfyUI's and take the channels_last q / k / v as they are.
 An exception inside the NHWC path (other than out-of-memory, which ComfyUI's own tiled fallback
-handles) is logged once and that latent shape then runs the NCHW path.
+handles) is logged once and that latent shape then runs the NCHW path.  The low-resolution stage
+(everything at the latent's resolution, host-bound op by op) replays as a CUDA graph from the third
+decode of a shape on (``LowResGraph``, input ``cuda_graph``).  Under DynamicVRAM each NHWC
+ResnetBlock / AttnBlock stages its weights at once (``host.staged_block``).
 Layout "nchw" (and fp32 / fp16 VAEs, decoder keyword arguments): stock memory layout with the
 GroupNorm(+SiLU) pairs routed through ``groupnorm_silu``.
 Patched call sites (2-D decoders only; anything else runs the stock forward):
@@ -45,11 +48,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 
 import torch
 
 from ..cuda_kernels import registry, runtime
-from .host import op_weights
+from .host import dynamic_block, op_weights, staged_block
 
 log = logging.getLogger("flux_numba")
 
@@ -61,9 +65,12 @@ VA_OP = "vae_attention"
 NODE_ID = "FluxNumbaVAEPatch"
 BACKENDS = ("auto", "numba", "torch")
 LAYOUTS = ("nhwc", "nchw")
+CUDA_GRAPHS = ("auto", "off")
 CL = torch.channels_last
 
 _run_every_op = None
+# DynamicVRAM: stage each NHWC ResnetBlock's / AttnBlock's weights at once; "0" only for A/B runs
+STAGE_BLOCKS = os.environ.get("FLUX_NUMBA_BLOCK_STAGING", "1") != "0"
 
 
 def _every_op():
@@ -129,6 +136,13 @@ def _conv_nhwc(conv, x, residual=None):
         return registry.call(BR_OP, y, b, residual)
 
 
+def _staged(blk, x):
+    """DynamicVRAM (comfy-aimdo vbar weights): every weight of the block staged in one offload-stream
+    round trip through ComfyUI's block prefetch (``host.staged_block``) instead of one per op; a
+    no-op otherwise."""
+    return staged_block(blk, x.device, STAGE_BLOCKS and dynamic_block(blk))
+
+
 def _dropout_off(blk):
     d = getattr(blk, "dropout", None)
     return d is None or not (d.training and d.p)
@@ -165,7 +179,8 @@ def _resnet_forward(self, x, temb=None, conv_carry_in=None, conv_carry_out=None,
     if x.ndim != 4 or temb is not None or conv_carry_in is not None or conv_carry_out is not None or kwargs:
         return base.forward(self, x, temb, conv_carry_in, conv_carry_out, **kwargs)
     if _is_nhwc(x) and _dropout_off(self):
-        return _resnet_nhwc(self, x)
+        with _staged(self, x):
+            return _resnet_nhwc(self, x)
     h = group_norm_act(self.norm1, x, True)
     h = self.conv1(h)
     h = group_norm_act(self.norm2, h, True)
@@ -181,7 +196,8 @@ def _attn_forward(self, x, **kwargs):
     if x.ndim != 4 or kwargs:
         return base.forward(self, x, **kwargs)
     if _is_nhwc(x):
-        return _attn_nhwc(self, x)
+        with _staged(self, x):
+            return _attn_nhwc(self, x)
     h_ = group_norm_act(self.norm, x, False)
     q = self.q(h_)
     k = self.k(h_)
@@ -205,18 +221,32 @@ def _upsample_forward(self, x, *args, **kwargs):
     return x
 
 
-def _decoder_body(self, z, kwargs):
-    nhwc = _is_nhwc(z)
-    temb = None
-    h = _conv_nhwc(self.conv_in, z) if nhwc else self.conv_in(z)
-    h = self.mid.block_1(h, temb, **kwargs)
+def _level_blocks(self, i_level, h, kwargs):
+    for i_block in range(self.num_res_blocks + 1):
+        h = self.up[i_level].block[i_block](h, None, None, None, **kwargs)
+        if len(self.up[i_level].attn) > 0:
+            h = self.up[i_level].attn[i_block](h, **kwargs)
+    return h
+
+
+def _stage_low(self, z, kwargs=None):
+    """conv_in, the mid block and the top level's blocks: every op at the latent's resolution (the
+    stage the low-resolution graph replays)."""
+    kwargs = kwargs or {}
+    h = _conv_nhwc(self.conv_in, z) if _is_nhwc(z) else self.conv_in(z)
+    h = self.mid.block_1(h, None, **kwargs)
     h = self.mid.attn_1(h, **kwargs)
-    h = self.mid.block_2(h, temb, **kwargs)
+    h = self.mid.block_2(h, None, **kwargs)
+    return _level_blocks(self, self.num_resolutions - 1, h, kwargs)
+
+
+def _stage_rest(self, h, kwargs):
+    """The top level's upsample, the other levels, norm_out, conv_out (stock order)."""
+    nhwc = _is_nhwc(h)
+    top = self.num_resolutions - 1
     for i_level in reversed(range(self.num_resolutions)):
-        for i_block in range(self.num_res_blocks + 1):
-            h = self.up[i_level].block[i_block](h, temb, None, None, **kwargs)
-            if len(self.up[i_level].attn) > 0:
-                h = self.up[i_level].attn[i_block](h, **kwargs)
+        if i_level != top:
+            h = _level_blocks(self, i_level, h, kwargs)
         if i_level != 0:
             h = self.up[i_level].upsample(h, None, None)
     h = group_norm_act(self.norm_out, h, True)
@@ -224,6 +254,10 @@ def _decoder_body(self, z, kwargs):
     if self.tanh_out:
         h = torch.tanh(h)
     return h
+
+
+def _decoder_body(self, z, kwargs):
+    return _stage_rest(self, _stage_low(self, z, kwargs), kwargs)
 
 
 def _nhwc_why(self, z, kwargs):
@@ -245,6 +279,93 @@ def _is_oom(e):
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+def _is_interrupt(e):
+    """ComfyUI's "cancel" (raised by ``run_every_op`` inside any op): never a reason to change paths."""
+    return type(e).__name__ == "InterruptProcessingException"
+
+
+class LowResGraph:
+    """The NHWC decoder's low-resolution stage (``_stage_low``: conv_in, the mid block with its
+    attention, the top level's ResnetBlocks -- at the latent's resolution, 128^2 for a 1024^2 image)
+    replayed as a CUDA graph, per latent shape.
+
+    Why that stage: its kernels are short (~0.3 ms of GPU work per ResnetBlock) and issuing them
+    from Python (registry, ComfyUI's weight access, cuDNN and Numba launches, ~11 per block) takes
+    longer, so without a graph the GPU idles there; every later stage is GPU-bound and the host
+    issues it while the replay runs.  What the graph keeps allocated between decodes is that
+    stage's activations (216 MB at 1024^2, measured; ``vae_attention`` uses small chunks inside a
+    capture).
+
+    ``flux_core.graphs.GraphedForward`` does the work: two eager decodes of a shape (the second
+    proves the stage never syncs the host), then capture and replay; a change of any decoder
+    weight's address re-captures.  Eager (reason logged once) when ``host.graph_state`` (one pass
+    over the decoder's parameters per decode) says a graph is unsafe -- weights off the GPU (low-VRAM
+    offload), DynamicVRAM staging, weight functions (on-the-fly LoRA), already inside a capture --
+    and for good once a capture failed.
+    Out-of-memory and ComfyUI's interrupt propagate (graphs dropped first on OOM).
+    """
+
+    def __init__(self, max_graphs: int = 2):
+        self.max_graphs = max_graphs
+        self.gf = None
+        self._mods = None   # host.param_modules(decoder), built on first use
+        self._key = None    # this call's weight addresses (host.graph_state)
+        self.failed = None
+        self.last_mode = None  # "graph" | "warm-up" | "eager: <why>"
+        self._logged = set()
+
+    def _eager(self, dec, z, why):
+        if why not in self._logged:
+            self._logged.add(why)
+            log.info("[flux_numba] %s: low-resolution CUDA graph off for this decode: %s", NODE_ID, why)
+        self.last_mode = "eager: " + why
+        return _stage_low(dec, z)
+
+    def drop(self):
+        if self.gf is not None:
+            from ..flux_core.graphs import drop_graph
+            for e in self.gf.graphs.values():
+                drop_graph(e.graph)
+            self.gf = None
+
+    def __call__(self, dec, z):
+        why = self.failed
+        if why is None:
+            from .host import graph_state, param_modules
+            if self._mods is None:
+                self._mods = param_modules(dec)
+            why, self._key = graph_state(self._mods, z.device)
+            why = "; ".join(why) or None
+        if why:
+            return self._eager(dec, z, why)
+        if self.gf is None:
+            from ..flux_core.graphs import GraphedForward
+            self.gf = GraphedForward(lambda x: _stage_low(dec, x), warmup=2, max_graphs=self.max_graphs,
+                                     weights_key=lambda: self._key)
+        _every_op()  # the interrupt check the replayed ops no longer make
+        replays = self.gf.replays
+        try:
+            out = self.gf(z)
+        except Exception as e:
+            if _is_oom(e):
+                self.drop()
+                raise
+            if _is_interrupt(e) or registry.strict:
+                raise
+            self.drop()
+            self.failed = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
+            return self._eager(dec, z, self.failed)
+        self.last_mode = "graph" if self.gf.replays > replays else "warm-up"
+        return out
+
+
+def _nhwc_decode(self, z, kwargs):
+    z = z.contiguous(memory_format=CL)
+    g = self.__dict__.get("_flux_numba_graph")
+    h = g(self, z) if g is not None else _stage_low(self, z, kwargs)
+    return _stage_rest(self, h, kwargs).contiguous()
+
+
 def _decoder_forward(self, z, **kwargs):
     base = type(self).__mro__[1]
     if z.ndim != 4 or self.carried:
@@ -252,9 +373,9 @@ def _decoder_forward(self, z, **kwargs):
     with _backend_ctx(self):
         if _nhwc_why(self, z, kwargs) is None:
             try:
-                return _decoder_body(self, z.contiguous(memory_format=CL), kwargs).contiguous()
+                return _nhwc_decode(self, z, kwargs)
             except Exception as e:  # logged once; this shape then runs the NCHW path
-                if registry.strict or _is_oom(e):
+                if registry.strict or _is_oom(e) or _is_interrupt(e):
                     raise
                 self.__dict__.setdefault("_flux_numba_nhwc_failed", set()).add(tuple(z.shape))
                 log.warning("[flux_numba] %s: NHWC decoder path failed for latent %s (%s: %s); "
@@ -282,8 +403,10 @@ def _clone_module(m, cls):
     return new
 
 
-def patched_decoder(decoder, backend: str = "auto", layout: str = "nhwc"):
-    """Return (patched clone of ``decoder``, counts).  ``decoder`` itself is not modified."""
+def patched_decoder(decoder, backend: str = "auto", layout: str = "nhwc", cuda_graph: str = "auto"):
+    """Return (patched clone of ``decoder``, counts).  ``decoder`` itself is not modified.
+    ``cuda_graph`` "auto": the NHWC path replays its low-resolution stage as a CUDA graph
+    (``LowResGraph``); "off": always eager."""
     import comfy.ldm.modules.diffusionmodules.model as M
 
     table = {M.ResnetBlock: _resnet_forward, M.AttnBlock: _attn_forward, M.Decoder: _decoder_forward,
@@ -302,8 +425,10 @@ def patched_decoder(decoder, backend: str = "auto", layout: str = "nhwc"):
         return new
 
     new = rebuild(decoder)
+    new.__dict__["_flux_numba_original"] = decoder   # (not a submodule: no state-dict keys)
     new._flux_numba_backend = backend
     new._flux_numba_layout = layout
+    new._flux_numba_graph = LowResGraph() if cuda_graph == "auto" else None
     new.__dict__.pop("_flux_numba_nhwc_failed", None)
     return new, counts
 
@@ -312,10 +437,20 @@ def is_patched(decoder) -> bool:
     return type(decoder).__name__.startswith("FluxNumba")
 
 
+def original_decoder(decoder):
+    """The stock decoder behind ``decoder``: ComfyUI applies an object patch in place, so after a
+    patched VAE decoded, ``first_stage_model.decoder`` IS our clone until another patcher of that VAE
+    loads -- a node re-run then (new widget values, a second patch node on the same VAE) patches the
+    original again instead of refusing."""
+    while is_patched(decoder) and "_flux_numba_original" in decoder.__dict__:
+        decoder = decoder.__dict__["_flux_numba_original"]
+    return decoder
+
+
 def why_not_patchable(vae):
     """None when ``vae`` has a FLUX-style (16-channel, 2-D) ComfyUI Decoder, else the reason."""
     fsm = getattr(vae, "first_stage_model", None)
-    dec = getattr(fsm, "decoder", None)
+    dec = original_decoder(getattr(fsm, "decoder", None))
     if dec is None or getattr(vae, "patcher", None) is None:
         return "no first_stage_model.decoder / patcher"
     try:
@@ -334,12 +469,12 @@ def why_not_patchable(vae):
     return None
 
 
-def patch_vae(vae, backend: str = "auto", layout: str = "nhwc"):
+def patch_vae(vae, backend: str = "auto", layout: str = "nhwc", cuda_graph: str = "auto"):
     """Clone ``vae`` with the patched decoder as an object patch; returns (vae, info or reason str)."""
     why = why_not_patchable(vae)
     if why:
         return vae, why
-    dec, counts = patched_decoder(vae.first_stage_model.decoder, backend, layout)
+    dec, counts = patched_decoder(original_decoder(vae.first_stage_model.decoder), backend, layout, cuda_graph)
     out = copy.copy(vae)
     out.patcher = vae.patcher.clone()
     out.patcher.add_object_patch("decoder", dec)
@@ -372,14 +507,22 @@ class FluxNumbaVAEPatch:
                                            "tooltip": "nhwc: the whole bf16 decoder channels_last (cuDNN's NHWC "
                                                       "convolutions, no layout conversions; measured faster); "
                                                       "nchw: stock layout, fused GroupNorm+SiLU only"}),
+                "cuda_graph": (list(CUDA_GRAPHS), {"default": "auto",
+                                                   "tooltip": "auto: from the third decode of a latent size on, replay "
+                                                              "the decoder's low-resolution stage (host-bound when "
+                                                              "issued op by op) as a CUDA graph; holds that stage's "
+                                                              "activations in VRAM between decodes. Off with "
+                                                              "low-VRAM offload / DynamicVRAM (logged). off: eager"}),
             },
         }
 
-    def patch(self, vae, enabled=True, backend="auto", layout="nhwc"):
+    def patch(self, vae, enabled=True, backend="auto", layout="nhwc", cuda_graph="auto"):
         if backend not in BACKENDS:
             raise ValueError(f"{NODE_ID}: backend must be one of {list(BACKENDS)}, got {backend!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"{NODE_ID}: layout must be one of {list(LAYOUTS)}, got {layout!r}")
+        if cuda_graph not in CUDA_GRAPHS:
+            raise ValueError(f"{NODE_ID}: cuda_graph must be one of {list(CUDA_GRAPHS)}, got {cuda_graph!r}")
         if not isinstance(enabled, (bool, int)):
             raise ValueError(f"{NODE_ID}: enabled must be a boolean, got {enabled!r}")
         if not enabled:
@@ -391,13 +534,13 @@ class FluxNumbaVAEPatch:
         if why:
             log.warning("[flux_numba] %s passes the VAE through unpatched: %s", NODE_ID, why)
             return (vae,)
-        out, info = patch_vae(vae, backend, layout)
+        out, info = patch_vae(vae, backend, layout, cuda_graph)
         if isinstance(info, str):
             log.info("[flux_numba] %s passes the VAE through unpatched: %s", NODE_ID, info)
             return (vae,)
         log.info("[flux_numba] %s: decoder patched (%d ResnetBlocks, %d AttnBlocks, %d Upsamples, norm_out), "
-                 "backend %s, layout %s", NODE_ID, info["ResnetBlock"], info["AttnBlock"], info["Upsample"],
-                 backend, layout)
+                 "backend %s, layout %s, cuda_graph %s", NODE_ID, info["ResnetBlock"], info["AttnBlock"],
+                 info["Upsample"], backend, layout, cuda_graph)
         return (out,)
 
 

@@ -626,3 +626,23 @@ def _quantized_linears(dm):
     from flux_numba_pack.flux_core import fast
     return sum(len(fast.block_linears("double", b)) + 2 for b in dm.double_blocks) + \
         sum(len(fast.block_linears("single", b)) + 1 for b in dm.single_blocks)  # + the modulation Linears
+
+
+# ----------------------------------------------------------------------------- graph_state (no ComfyUI)
+def test_graph_state_one_pass():
+    """host.graph_state: the per-decode check of the VAE's low-resolution graph -- weight addresses
+    in module order (a replaced parameter changes them), and each reason a graph is unsafe."""
+    from flux_numba_pack.nodes.host import graph_state, param_modules
+    m = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.ReLU(), torch.nn.GroupNorm(2, 4))
+    mods = param_modules(m)
+    assert mods == [m[0], m[2]]
+    assert graph_state(mods, torch.device("cpu")) == (["not a CUDA device"], None)
+    why, key = graph_state(mods, torch.device("cuda", 0))   # CPU weights: "offloaded"
+    assert len(why) == 1 and "not on cuda:0" in why[0] and "Conv2d.weight" in why[0]
+    assert key == tuple(p.data_ptr() for p in m.parameters())
+    m[2].weight = torch.nn.Parameter(m[2].weight.detach().clone())   # ComfyUI replaces a parameter
+    assert graph_state(mods, torch.device("cuda", 0))[1] != key
+    m[0].weight_function = [lambda w: w]                     # on-the-fly LoRA
+    m[2]._v = object()                                       # DynamicVRAM vbar weights
+    why, _ = graph_state(mods, torch.device("cuda", 0))
+    assert len(why) == 2 and "per call" in why[1] and "Conv2d" in why[1], why

@@ -169,6 +169,9 @@ def test_node_schema_without_comfyui():
     assert list(req["backend"][0]) == ["auto", "numba", "torch"]
     opt = cls.INPUT_TYPES()["optional"]  # optional: workflows saved before it still validate
     assert list(opt["layout"][0]) == ["nhwc", "nchw"] and opt["layout"][1]["default"] == "nhwc"
+    assert list(opt["cuda_graph"][0]) == ["auto", "off"] and opt["cuda_graph"][1]["default"] == "auto"
+    with pytest.raises(ValueError, match="cuda_graph"):
+        cls().patch(types.SimpleNamespace(), cuda_graph="on")
     other = types.SimpleNamespace(first_stage_model=None, patcher=None, latent_channels=4)
     assert cls().patch(other)[0] is other  # not patchable: passes through
     assert cls().patch(other, enabled=False)[0] is other
@@ -360,3 +363,148 @@ def test_decoder_nhwc_failure_runs_nchw(monkeypatch, caplog):
             fsm.decoder(torch.randn(1, 16, 3, 3, device=DEV).to(torch.bfloat16))
     finally:
         vae.patcher.unpatch_model()
+
+
+@pytest.mark.comfyui
+def test_decoder_low_res_graph(strict):
+    """cuda_graph auto: on a GPU two eager decodes of a shape, then the low-resolution stage replays
+    as a CUDA graph -- equal to the eager decoder for fresh latents, re-captured when a weight moves;
+    on the CPU every decode runs eagerly (reason recorded) with the same result."""
+    M = _comfy()
+    VP = _node_module()
+    dec, fsm, vae = _small_vae(M, torch.bfloat16)
+    dec.mid.attn_1.optimized_attention = M.pytorch_attention
+    out = VP.FluxNumbaVAEPatch().patch(vae)[0]
+    ref = VP.FluxNumbaVAEPatch().patch(vae, cuda_graph="off")[0]
+    ref_dec = ref.patcher.object_patches["decoder"]
+    pat = out.patcher.object_patches["decoder"]
+    g = pat._flux_numba_graph
+    assert isinstance(g, VP.LowResGraph) and ref_dec._flux_numba_graph is None
+    modes = []
+    with torch.no_grad():
+        for i in range(7):
+            if i == 4 and DEV == "cuda":   # a weight's storage moves (model reloaded): warm up, re-capture
+                w = dec.mid.block_1.conv1.weight
+                w.data = w.data.clone()
+            z = torch.randn(1, 16, 4, 4, device=DEV).to(torch.bfloat16)
+            got = pat(z)
+            modes.append(g.last_mode)
+            want = ref_dec(z)
+            tol = 0 if DEV == "cpu" else 2e-2   # (a captured cuDNN call may pick another algorithm)
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if DEV == "cuda":
+        assert modes == ["warm-up", "warm-up", "graph", "graph", "warm-up", "warm-up", "graph"], modes
+        assert g.gf.captures == 2 and g.gf.replays == 3, (g.gf.captures, g.gf.replays)
+        g.drop()
+        assert g.gf is None
+    else:
+        assert all(m == "eager: not a CUDA device" for m in modes), modes
+
+
+@pytest.mark.comfyui
+def test_low_res_graph_failures(monkeypatch, caplog):
+    """A failed capture: logged once, that decoder then stays eager (same result); out-of-memory
+    (graphs dropped) and ComfyUI's interrupt propagate and do not turn the graph off."""
+    M = _comfy()
+    VP = _node_module()
+    import flux_numba_pack.flux_core.graphs as FG
+    import flux_numba_pack.nodes.host as H
+    dec, fsm, vae = _small_vae(M, torch.bfloat16)
+    pat = VP.FluxNumbaVAEPatch().patch(vae)[0].patcher.object_patches["decoder"]
+    g = pat._flux_numba_graph
+    z = torch.randn(1, 16, 2, 3, device=DEV).to(torch.bfloat16)
+    with torch.no_grad():
+        want = VP.FluxNumbaVAEPatch().patch(vae, cuda_graph="off")[0].patcher.object_patches["decoder"](z)
+
+    class InterruptProcessingException(Exception):
+        pass
+
+    raised = []
+
+    class Fake:
+        def __init__(self, fn, **kw):
+            self.graphs, self.replays = {}, 0
+
+        def __call__(self, x):
+            exc = raised.pop(0)
+            raise exc
+
+    monkeypatch.setattr(H, "graph_state", lambda mods, d: ([], ()))
+    monkeypatch.setattr(FG, "GraphedForward", Fake)
+    monkeypatch.setattr(registry, "strict", False)
+    with torch.no_grad():
+        raised.append(InterruptProcessingException("cancelled"))
+        with pytest.raises(InterruptProcessingException):
+            pat(z)
+        assert g.failed is None
+        raised.append(torch.cuda.OutOfMemoryError("CUDA out of memory (injected)"))
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            pat(z)
+        assert g.failed is None and g.gf is None
+        raised.append(RuntimeError("capture broke (injected)"))
+        with caplog.at_level("INFO", logger="flux_numba"):
+            a = pat(z)
+            b = pat(z)   # not retried: nothing left in ``raised`` to pop
+    assert g.failed.startswith("capture failed (RuntimeError") and g.gf is None
+    assert sum("low-resolution CUDA graph off" in r.getMessage() for r in caplog.records) == 1
+    torch.testing.assert_close(a, want, atol=0, rtol=0)
+    torch.testing.assert_close(b, want, atol=0, rtol=0)
+
+
+@pytest.mark.comfyui
+def test_repatch_while_patched(strict):
+    """ComfyUI applies the object patch in place: while a patched VAE is loaded the shared
+    ``first_stage_model.decoder`` is our clone.  Running the node again then (new widget values, a
+    second patch node on the VAE) patches the original decoder, not the clone, and does not refuse."""
+    M = _comfy()
+    VP = _node_module()
+    dec, fsm, vae = _small_vae(M, torch.float32)
+    node = VP.FluxNumbaVAEPatch()
+    first = node.patch(vae)[0]
+    first.patcher.patch_model(load_weights=False)
+    try:
+        assert VP.is_patched(fsm.decoder)
+        second = node.patch(vae, layout="nchw", cuda_graph="off")[0]
+        assert second is not vae, "refused to patch while the first patch is applied"
+        d2 = second.patcher.object_patches["decoder"]
+        assert d2 is not fsm.decoder and VP.original_decoder(d2) is dec and VP.original_decoder(fsm.decoder) is dec
+        assert d2._flux_numba_layout == "nchw" and d2._flux_numba_graph is None
+        assert set(d2.state_dict()) == set(dec.state_dict())   # the back-reference is no submodule
+    finally:
+        vae.patcher.unpatch_model()
+    assert fsm.decoder is dec
+
+
+@pytest.mark.comfyui
+def test_dynamic_vram_blocks_staged(strict, monkeypatch):
+    """DynamicVRAM weights: every NHWC ResnetBlock / AttnBlock call stages its weights once through
+    ComfyUI's block prefetch queue (v0.33+); the result equals the unstaged decode."""
+    try:
+        import comfy.model_prefetch as mpf
+    except ImportError:
+        pytest.skip("this ComfyUI has no block prefetch queue (staging is v0.33+)")
+    M = _comfy()
+    VP = _node_module()
+    dec, fsm, vae = _small_vae(M, torch.bfloat16)
+    z = torch.randn(1, 16, 2, 3, device=DEV).to(torch.bfloat16)
+    pat = VP.FluxNumbaVAEPatch().patch(vae, cuda_graph="off")[0].patcher.object_patches["decoder"]
+    with torch.no_grad():
+        want = pat(z)
+    log_ = []
+
+    def make(blocks, device, topts):
+        log_.append(("make", type(blocks[0]).__name__))
+        return [None] + list(blocks) + [None]
+
+    def pop(queue, device, module, **k):
+        log_.append(("pop",))
+        queue.pop(0)
+    monkeypatch.setattr(mpf, "make_prefetch_queue", make)
+    monkeypatch.setattr(mpf, "prefetch_queue_pop", pop)
+    monkeypatch.setattr(VP, "dynamic_block", lambda blk: True)
+    with torch.no_grad():
+        got = pat(z)
+    made = [c[1] for c in log_ if c[0] == "make"]
+    assert made.count("FluxNumbaResnetBlock") == 6 and made.count("FluxNumbaAttnBlock") == 1, made
+    assert sum(1 for c in log_ if c[0] == "pop") == 2 * len(made)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -149,7 +149,7 @@ def test_flux1_dev_graph():
     dec = _source(nodes, wf, by_type["SaveImage"][0]["id"], "images")
     assert dec["type"] == "VAEDecode" and _source(nodes, wf, dec["id"], "samples")["id"] == ks["id"]
     vpatch = _source(nodes, wf, dec["id"], "vae")   # the decode goes through the NHWC VAE patch
-    assert vpatch["type"] == "FluxNumbaVAEPatch" and vpatch["widgets_values"] == [True, "auto", "nhwc"]
+    assert vpatch["type"] == "FluxNumbaVAEPatch" and vpatch["widgets_values"] == [True, "auto", "nhwc", "auto"]
     assert _source(nodes, wf, vpatch["id"], "vae")["type"] == "VAELoader"
 
 
