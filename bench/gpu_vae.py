@@ -550,10 +550,10 @@ def run_node_path():
         used = usage.get(gnh.OP, {})
         c = vae.decode(z)  # stock again: the object patch must be gone
         restored = type(vae.first_stage_model.decoder).__name__ == "Decoder"
-        t_s = median_ms(lambda: vae.decode(z), warm=1, rep=3)
-        t_p = median_ms(lambda: out.decode(z), warm=3, rep=5)      # from the 3rd decode on: the graph replays
+        t_s = median_ms(lambda: vae.decode(z), warm=1, rep=5)
+        t_p = median_ms(lambda: out.decode(z), warm=3, rep=9)      # from the 3rd decode on: the graph replays
         gmode = out.patcher.object_patches["decoder"]._flux_numba_graph.last_mode
-        t_e = median_ms(lambda: out_e.decode(z), warm=1, rep=5)
+        t_e = median_ms(lambda: out_e.decode(z), warm=1, rep=9)
         t_n = median_ms(lambda: out_n.decode(z), warm=1, rep=3)
         # ComfyUI's share: the same decode with the decoder's own time taken out (events around it)
         inner = []

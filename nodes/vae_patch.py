@@ -31,8 +31,8 @@ xformers / split attention stay ComfyUI's and take the channels_last q / k / v a
 An exception inside the NHWC path (other than out-of-memory, which ComfyUI's own tiled fallback
 handles) is logged once and that latent shape then runs the NCHW path.  The low-resolution stage
 (everything at the latent's resolution, host-bound op by op) replays as a CUDA graph from the third
-decode of a shape on (``LowResGraph``, input ``cuda_graph``).  Under DynamicVRAM each NHWC
-ResnetBlock / AttnBlock stages its weights at once (``host.staged_block``).
+decode of a shape on (``LowResGraph``, input ``cuda_graph``), for as long as ComfyUI keeps the VAE
+loaded (its patcher's detach drops the graph).
 Layout "nchw" (and fp32 / fp16 VAEs, decoder keyword arguments): stock memory layout with the
 GroupNorm(+SiLU) pairs routed through ``groupnorm_silu``.
 Patched call sites (2-D decoders only; anything else runs the stock forward):
@@ -48,12 +48,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import os
 
 import torch
 
 from ..cuda_kernels import registry, runtime
-from .host import dynamic_block, op_weights, staged_block
+from .host import op_weights
 
 log = logging.getLogger("flux_numba")
 
@@ -69,8 +68,6 @@ CUDA_GRAPHS = ("auto", "off")
 CL = torch.channels_last
 
 _run_every_op = None
-# DynamicVRAM: stage each NHWC ResnetBlock's / AttnBlock's weights at once; "0" only for A/B runs
-STAGE_BLOCKS = os.environ.get("FLUX_NUMBA_BLOCK_STAGING", "1") != "0"
 
 
 def _every_op():
@@ -136,13 +133,6 @@ def _conv_nhwc(conv, x, residual=None):
         return registry.call(BR_OP, y, b, residual)
 
 
-def _staged(blk, x):
-    """DynamicVRAM (comfy-aimdo vbar weights): every weight of the block staged in one offload-stream
-    round trip through ComfyUI's block prefetch (``host.staged_block``) instead of one per op; a
-    no-op otherwise."""
-    return staged_block(blk, x.device, STAGE_BLOCKS and dynamic_block(blk))
-
-
 def _dropout_off(blk):
     d = getattr(blk, "dropout", None)
     return d is None or not (d.training and d.p)
@@ -179,8 +169,7 @@ def _resnet_forward(self, x, temb=None, conv_carry_in=None, conv_carry_out=None,
     if x.ndim != 4 or temb is not None or conv_carry_in is not None or conv_carry_out is not None or kwargs:
         return base.forward(self, x, temb, conv_carry_in, conv_carry_out, **kwargs)
     if _is_nhwc(x) and _dropout_off(self):
-        with _staged(self, x):
-            return _resnet_nhwc(self, x)
+        return _resnet_nhwc(self, x)
     h = group_norm_act(self.norm1, x, True)
     h = self.conv1(h)
     h = group_norm_act(self.norm2, h, True)
@@ -196,8 +185,7 @@ def _attn_forward(self, x, **kwargs):
     if x.ndim != 4 or kwargs:
         return base.forward(self, x, **kwargs)
     if _is_nhwc(x):
-        with _staged(self, x):
-            return _attn_nhwc(self, x)
+        return _attn_nhwc(self, x)
     h_ = group_norm_act(self.norm, x, False)
     q = self.q(h_)
     k = self.k(h_)
@@ -294,7 +282,9 @@ class LowResGraph:
     longer, so without a graph the GPU idles there; every later stage is GPU-bound and the host
     issues it while the replay runs.  What the graph keeps allocated between decodes is that
     stage's activations (216 MB at 1024^2, measured; ``vae_attention`` uses small chunks inside a
-    capture).
+    capture) -- and only while ComfyUI keeps the VAE loaded: the patched VAE's patcher drops the
+    graphs when ComfyUI detaches it (``ON_DETACH``: unloaded to make room), so a GPU too small to
+    keep the VAE next to the diffusion model never holds them.
 
     ``flux_core.graphs.GraphedForward`` does the work: two eager decodes of a shape (the second
     proves the stage never syncs the host), then capture and replay; a change of any decoder
@@ -478,7 +468,21 @@ def patch_vae(vae, backend: str = "auto", layout: str = "nhwc", cuda_graph: str 
     out = copy.copy(vae)
     out.patcher = vae.patcher.clone()
     out.patcher.add_object_patch("decoder", dec)
+    g = dec.__dict__.get("_flux_numba_graph")
+    if g is not None:
+        _drop_on_detach(out.patcher, g)
     return out, counts
+
+
+def _drop_on_detach(patcher, graph):
+    """ComfyUI unloading the VAE (``ModelPatcher.detach``) frees the low-resolution graphs' memory."""
+    try:
+        import comfy.patcher_extension as pe
+        patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, "flux_numba_vae_graph",
+                                      lambda mp, *a, **k: graph.drop())
+    except Exception as e:  # an older host without patcher callbacks: the graphs live with the VAE
+        log.info("[flux_numba] %s: no detach callback (%s); the low-res graph lives as long as the VAE",
+                 NODE_ID, e)
 
 
 class FluxNumbaVAEPatch:
