@@ -283,8 +283,8 @@ class LowResGraph:
     issues it while the replay runs.  What the graph keeps allocated between decodes is that
     stage's activations (216 MB at 1024^2, measured; ``vae_attention`` uses small chunks inside a
     capture) -- and only while ComfyUI keeps the VAE loaded: the patched VAE's patcher drops the
-    graphs when ComfyUI detaches it (``ON_DETACH``: unloaded to make room), so a GPU too small to
-    keep the VAE next to the diffusion model never holds them.
+    graphs when ComfyUI unloads it (``ON_DETACH`` with ``unpatch_all``: unloaded to make room), so a
+    GPU too small to keep the VAE next to the diffusion model never holds them.
 
     ``flux_core.graphs.GraphedForward`` does the work: two eager decodes of a shape (the second
     proves the stage never syncs the host), then capture and replay; a change of any decoder
@@ -475,11 +475,15 @@ def patch_vae(vae, backend: str = "auto", layout: str = "nhwc", cuda_graph: str 
 
 
 def _drop_on_detach(patcher, graph):
-    """ComfyUI unloading the VAE (``ModelPatcher.detach``) frees the low-resolution graphs' memory."""
+    """ComfyUI unloading the VAE (``ModelPatcher.detach(unpatch_all=True)``: weights back to the
+    offload device) frees the low-resolution graphs' memory.  ``load_models_gpu`` also detaches the
+    loaded patcher on every load with ``unpatch_all=False`` (weights stay put): graphs kept."""
+    def on_detach(mp, unpatch_all=True, *a, **k):
+        if unpatch_all:
+            graph.drop()
     try:
         import comfy.patcher_extension as pe
-        patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, "flux_numba_vae_graph",
-                                      lambda mp, *a, **k: graph.drop())
+        patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, "flux_numba_vae_graph", on_detach)
     except Exception as e:  # an older host without patcher callbacks: the graphs live with the VAE
         log.info("[flux_numba] %s: no detach callback (%s); the low-res graph lives as long as the VAE",
                  NODE_ID, e)

@@ -477,8 +477,9 @@ def test_repatch_while_patched(strict):
 
 @pytest.mark.comfyui
 def test_low_res_graph_dropped_on_detach():
-    """ComfyUI unloading the patched VAE (its patcher's detach) drops the low-res graphs: their
-    memory is held only while the VAE stays loaded."""
+    """ComfyUI unloading the patched VAE (its patcher's detach with unpatch_all) drops the low-res
+    graphs: their memory is held only while the VAE stays loaded; the detach(unpatch_all=False)
+    that v0.8.0's load_models_gpu applies to the loaded patcher on every load keeps them."""
     M = _comfy()
     VP = _node_module()
     dec, fsm, vae = _small_vae(M, torch.bfloat16)
@@ -487,6 +488,8 @@ def test_low_res_graph_dropped_on_detach():
     dropped = []
     g.drop = lambda: dropped.append(True)
     out.patcher.patch_model(load_weights=False)
-    out.patcher.detach()
+    out.patcher.detach(unpatch_all=False)   # what load_models_gpu does to the loaded patcher on every load
+    assert dropped == []
+    out.patcher.detach()                    # a real unload (weights to the offload device)
     assert dropped == [True]
     assert fsm.decoder is dec   # detach unpatched the object patch too
