@@ -469,27 +469,6 @@ def run_decoder():
         d32 = d32.eval().to(DEV, torch.float32)
         out_f = d32(z.float())
         del d32
-        # cuDNN's own algorithm search (ComfyUI's --fast autotune sets it process-wide; off by default)
-        if not torch.backends.cudnn.benchmark and "--no-cudnn-ab" not in sys.argv:
-            torch.backends.cudnn.benchmark = True
-            try:
-                t0b = time.time()
-                pat_e(z)
-                first_b = time.time() - t0b
-                t_hb = median_ms(lambda: pat_e(z), warm=2, rep=5)
-                t_sb = median_ms(lambda: dec(z), warm=2, rep=5)
-                tot_b, cats_b, top_b, _ = kernel_breakdown(profiled(lambda: pat_e(z)))
-                out_b = pat_e(z)
-            finally:
-                torch.backends.cudnn.benchmark = False
-            print(f"  cudnn.benchmark on: kernels {tot_b:.2f} ms, " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(cats_b.items())))
-            for t_, n_, k_ in top_b[:8]:
-                print(f"      {t_:8.3f} ms {n_:4d}x  {k_}")
-            note("decoder nhwc, cudnn.benchmark on", ms=round(t_hb, 2), off_ms=round(t_h, 2), stock_ms=round(t_sb, 2),
-                 first_call_s=round(first_b, 2), kernels_ms=tot_b, cats=cats_b,
-                 psnr_vs_fp32=round(psnr(out_b, out_f), 1))
-            rows.append(("decoder nhwc cudnn.bench", "INFO", "", f"{t_sb:.2f}", f"{t_hb:.2f}", f"{t_sb / t_hb:.2f}x",
-                         f"off {t_h:.2f}", f"conv {cats_b.get('cudnn conv', 0):.2f}ms", f"first {first_b:.1f}s", ""))
     registry.strict = False
     nan = bool(torch.isnan(out_p).any())
     p_ps, p_sf, p_pf = psnr(out_p, out_s), psnr(out_s, out_f), psnr(out_p, out_f)
