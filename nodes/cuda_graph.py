@@ -81,6 +81,8 @@ class GraphWrapper:
         try:
             out = self.gf(x, timestep, context, *[v for v in (y, guidance) if v is not None])
         except Exception as e:  # capture failed: never break sampling; not retried for this model
+            if type(e).__name__ == "InterruptProcessingException":
+                raise  # the user cancelled (ComfyUI's run_every_op inside an op): no reason to stop capturing
             self.gf = None
             self.failed = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
             return self._eager(self.failed, executor, *args, **kwargs)

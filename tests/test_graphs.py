@@ -95,3 +95,42 @@ def test_capture_under_allocator(backend):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert f"backend {backend}" in out and "ALL OK" in out, out[-3000:]
+
+
+def test_flux_graph_wrapper_interrupt_keeps_graphs(monkeypatch):
+    """ComfyUI's cancel (InterruptProcessingException, raised inside any op) during a warm-up or
+    capture propagates and leaves the CUDA graph on for the model's next steps; any other capture
+    error turns it off for that model and the step runs eagerly.  (No GPU: the capture is faked.)"""
+    import types
+    import flux_numba_pack.flux_core.graphs as FG
+    import flux_numba_pack.nodes.cuda_graph as CG
+    import flux_numba_pack.nodes.host as H
+
+    class InterruptProcessingException(Exception):
+        pass
+
+    raised = []
+
+    class Fake:
+        def __init__(self, fn, **kw):
+            self.fn = fn
+
+        def __call__(self, *xs):
+            raise raised.pop(0)
+
+    monkeypatch.setattr(CG, "capture_problem", lambda ex, topts: None)
+    monkeypatch.setattr(H, "graph_blockers", lambda dm, dev: [])
+    monkeypatch.setattr(FG, "GraphedForward", Fake)
+    eager = []
+    ex = types.SimpleNamespace(class_obj=object())
+    ex_call = lambda *a, **k: eager.append(1) or "eager"   # noqa: E731
+    executor = type("Ex", (), {"__call__": lambda self, *a, **k: ex_call(*a, **k), "class_obj": ex.class_obj})()
+    x = types.SimpleNamespace(is_cuda=True, device="cuda:0")
+    w = CG.GraphWrapper()
+    raised.append(InterruptProcessingException("cancelled"))
+    with pytest.raises(InterruptProcessingException):
+        w(executor, x, None, None)
+    assert w.failed is None and w.gf is not None and eager == []
+    raised.append(RuntimeError("capture broke"))
+    assert w(executor, x, None, None) == "eager"
+    assert w.failed.startswith("capture failed (RuntimeError") and w.gf is None and eager == [1]
