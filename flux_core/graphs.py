@@ -6,7 +6,8 @@ goes to torch's current stream (``runtime.stream()``), so it is captured with th
 
 Safe only when nothing in the forward changes address or needs the host between steps:
 ``graph_blockers(module)`` lists the reasons not to capture (weights off the GPU, already
-capturing; ComfyUI's host adapter adds its own: weights cast per call, ...); callers fall back to eager execution and log why.
+capturing; ComfyUI's host adapter has its own one-pass check, ``nodes.host.graph_state``, with the
+per-call weight work ComfyUI's ops do); callers fall back to eager execution and log why.
 Weights patched *in place* (ComfyUI applies LoRA that way) keep their addresses, so replays see
 them; a change of weight storage (``data_ptr``) invalidates the graph and it is re-captured.
 

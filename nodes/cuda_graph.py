@@ -35,6 +35,7 @@ class GraphWrapper:
     def __init__(self, max_graphs: int = 2):
         self.max_graphs = max_graphs
         self.gf = None
+        self._key = None  # this step's weight addresses (host.graph_state)
         self._logged = set()
         self.last_mode = None  # "graph" | "eager: <reason>"
         self.failed = None  # why a capture failed: this model's steps stay eager (no retry per step)
@@ -63,12 +64,12 @@ class GraphWrapper:
         if why:
             return self._eager(why, executor, *args, **kwargs)
         from ..flux_core.graphs import GraphedForward
-        from .host import graph_blockers
-        why = graph_blockers(dm, x.device)
+        from .host import graph_state
+        why, self._key = graph_state(dm, x.device)   # (one pass; also the weights' addresses for the graph)
         if why:
             return self._eager("; ".join(why), executor, *args, **kwargs)
         if self.gf is None:
-            self.gf = GraphedForward(None, module=dm, max_graphs=self.max_graphs)
+            self.gf = GraphedForward(None, max_graphs=self.max_graphs, weights_key=lambda: self._key)
         has_y, has_g = y is not None, guidance is not None  # FLUX schnell has no guidance input
 
         def fn(xx, tt, cc, *rest):

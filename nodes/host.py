@@ -431,28 +431,29 @@ def _freezes_per_call_work(m) -> bool:
     DynamicVRAM staging (comfy-aimdo vbar weights) and weight / bias functions (on-the-fly LoRA,
     low-VRAM patches).  A plain cast of weights resident on the device (fp8 storage with ComfyUI's
     manual_cast ops) is ordinary device work at fixed addresses and is captured like any op."""
-    return hasattr(m, "_v") or _has_weight_functions(m)
+    return "_v" in m.__dict__ or _has_weight_functions(m)   # (ComfyUI sets ``m._v`` as a plain attribute)
 
 
-def param_modules(module: torch.nn.Module):
-    """The modules of ``module`` that own parameters -- for ``graph_state`` on a module tree that
-    does not change (ComfyUI replaces parameters in place of their modules, not the modules)."""
-    return [m for m in module.modules() if m._parameters]
-
-
-def graph_state(mods, device: torch.device):
-    """(reasons a captured graph over these modules' weights is unsafe now, the weights' addresses),
-    in one pass over ``param_modules(...)`` -- the per-call check of a graph replayed every decode.
-    The reasons are ``graph_blockers``': weights off ``device``, per-call weight work
-    (``_freezes_per_call_work``), already inside a capture."""
+def graph_state(module: torch.nn.Module, device: torch.device):
+    """(reasons a captured graph over ``module``'s weights is unsafe now, the weights' addresses) in
+    one pass over the modules that own parameters -- the per-call check of a graph replayed every
+    step / decode (``flux_core.graphs.graph_blockers`` + a per-module cast walk + a ``data_ptr`` walk,
+    what this replaced, cost ~3x more: 16.6 vs 5.7 ms over FLUX.1's 780 parameters on a slow CPU;
+    BENCHMARKS "Session 9").
+    The module tree is walked afresh each call: a swapped submodule changes the addresses too.
+    Reasons: weights off ``device`` (low-VRAM offload), per-call weight work
+    (``_freezes_per_call_work``: DynamicVRAM staging, weight functions), already inside a capture."""
     if device.type != "cuda":
         return ["not a CUDA device"], None
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ptrs, off, cast = [], None, None
-    for m in mods:
+    for m in module.modules():
+        ps = m._parameters
+        if not ps:
+            continue
         if cast is None and _freezes_per_call_work(m):
             cast = m
-        for n, p in m._parameters.items():
+        for n, p in ps.items():
             if p is None:
                 continue
             if off is None and (not p.is_cuda or p.get_device() != idx):
@@ -468,14 +469,3 @@ def graph_state(mods, device: torch.device):
         why.append("already inside a capture")
     return why, tuple(ptrs)
 
-
-def graph_blockers(module: torch.nn.Module, device: torch.device):
-    """Reasons a whole-forward CUDA graph cannot be captured for this diffusion model now (weights
-    off the device -- low-VRAM offload -- are the generic check's)."""
-    from ..flux_core.graphs import graph_blockers as generic
-    why = generic(module, device)
-    cast = [n for n, m in module.named_modules() if _freezes_per_call_work(m)]
-    if cast:
-        why.append(f"{len(cast)} layers stage or patch their weights per call (DynamicVRAM / weight "
-                   f"functions such as on-the-fly LoRA), e.g. {cast[0]}")
-    return why

@@ -298,7 +298,6 @@ class LowResGraph:
     def __init__(self, max_graphs: int = 2):
         self.max_graphs = max_graphs
         self.gf = None
-        self._mods = None   # host.param_modules(decoder), built on first use
         self._key = None    # this call's weight addresses (host.graph_state)
         self.failed = None
         self.last_mode = None  # "graph" | "warm-up" | "eager: <why>"
@@ -321,10 +320,8 @@ class LowResGraph:
     def __call__(self, dec, z):
         why = self.failed
         if why is None:
-            from .host import graph_state, param_modules
-            if self._mods is None:
-                self._mods = param_modules(dec)
-            why, self._key = graph_state(self._mods, z.device)
+            from .host import graph_state
+            why, self._key = graph_state(dec, z.device)
             why = "; ".join(why) or None
         if why:
             return self._eager(dec, z, why)

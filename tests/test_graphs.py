@@ -119,7 +119,7 @@ def test_flux_graph_wrapper_interrupt_keeps_graphs(monkeypatch):
             raise raised.pop(0)
 
     monkeypatch.setattr(CG, "capture_problem", lambda ex, topts: None)
-    monkeypatch.setattr(H, "graph_blockers", lambda dm, dev: [])
+    monkeypatch.setattr(H, "graph_state", lambda dm, dev: ([], ()))
     monkeypatch.setattr(FG, "GraphedForward", Fake)
     eager = []
     ex = types.SimpleNamespace(class_obj=object())

@@ -540,9 +540,11 @@ def test_graph_blockers_allow_resident_casts_only(comfy):
     lins = [m for m in dm.modules() if isinstance(m, torch.nn.Linear)]
     assert lins and all(getattr(m, "comfy_cast_weights", False) for m in lins)
     assert not any(host._freezes_per_call_work(m) for m in dm.modules())
+    why, _ = host.graph_state(dm, torch.device("cuda", 0))   # (the CPU weights read as offloaded here)
+    assert not any("per call" in w for w in why), why
     lins[0].weight_function = [lambda w: w]
     assert host._freezes_per_call_work(lins[0])
-    why = host.graph_blockers(dm, torch.device("cpu"))
+    why, _ = host.graph_state(dm, torch.device("cuda", 0))
     assert any("stage or patch their weights per call" in w for w in why), why
 
 
@@ -630,19 +632,19 @@ def _quantized_linears(dm):
 
 # ----------------------------------------------------------------------------- graph_state (no ComfyUI)
 def test_graph_state_one_pass():
-    """host.graph_state: the per-decode check of the VAE's low-resolution graph -- weight addresses
+    """host.graph_state: the per-step / per-decode check of a replayed CUDA graph -- weight addresses
     in module order (a replaced parameter changes them), and each reason a graph is unsafe."""
-    from flux_numba_pack.nodes.host import graph_state, param_modules
+    from flux_numba_pack.nodes.host import graph_state
     m = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.ReLU(), torch.nn.GroupNorm(2, 4))
-    mods = param_modules(m)
-    assert mods == [m[0], m[2]]
-    assert graph_state(mods, torch.device("cpu")) == (["not a CUDA device"], None)
-    why, key = graph_state(mods, torch.device("cuda", 0))   # CPU weights: "offloaded"
+    assert graph_state(m, torch.device("cpu")) == (["not a CUDA device"], None)
+    why, key = graph_state(m, torch.device("cuda", 0))   # CPU weights: "offloaded"
     assert len(why) == 1 and "not on cuda:0" in why[0] and "Conv2d.weight" in why[0]
     assert key == tuple(p.data_ptr() for p in m.parameters())
     m[2].weight = torch.nn.Parameter(m[2].weight.detach().clone())   # ComfyUI replaces a parameter
-    assert graph_state(mods, torch.device("cuda", 0))[1] != key
+    assert graph_state(m, torch.device("cuda", 0))[1] != key
+    m[1] = torch.nn.Linear(2, 2)                                     # a swapped submodule: new addresses
+    assert len(graph_state(m, torch.device("cuda", 0))[1]) == len(key) + 2
     m[0].weight_function = [lambda w: w]                     # on-the-fly LoRA
     m[2]._v = object()                                       # DynamicVRAM vbar weights
-    why, _ = graph_state(mods, torch.device("cuda", 0))
+    why, _ = graph_state(m, torch.device("cuda", 0))
     assert len(why) == 2 and "per call" in why[1] and "Conv2d" in why[1], why
