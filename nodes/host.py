@@ -29,6 +29,10 @@ and is handled here (nowhere else in the pack):
 
 The VAE patch's GroupNorm weights come through ``op_weights`` the same way.
 
+CUDA graphs (the FLUX forward's, the VAE decoder's low-resolution stage): ``graph_state`` is the
+per-call check both run before a replay -- weights resident on the device, no DynamicVRAM staging or
+weight functions (which a graph would freeze), and the weights' addresses (a change re-captures).
+
 Other versions: every block's type is checked (``block_problem``); anything not a FLUX.1 block
 runs stock with a log line naming the reason.
 """
