@@ -121,10 +121,7 @@ _launchers = {}
 
 
 def _launcher(*key):
-    la = _launchers.get(key)
-    if la is None:
-        la = _launchers[key] = ik.Launcher(lambda: make_kernel(*key))
-    return la
+    return ik.cached_launcher(_launchers, key, lambda: make_kernel(*key))
 
 
 def _nhwc16(t):

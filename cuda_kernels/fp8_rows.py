@@ -154,10 +154,7 @@ _launchers = {}
 
 
 def _launcher(VEC, VW):
-    la = _launchers.get((VEC, VW))
-    if la is None:
-        la = _launchers[(VEC, VW)] = ik.Launcher(lambda: make_rows_kernel(VEC, NW_FOR[(VEC, VW)], VW))
-    return la
+    return ik.cached_launcher(_launchers, (VEC, VW), lambda: make_rows_kernel(VEC, NW_FOR[(VEC, VW)], VW))
 
 
 @functools.lru_cache(maxsize=1024)

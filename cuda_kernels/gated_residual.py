@@ -132,11 +132,7 @@ _launchers = {}
 
 
 def _launcher(kind, VEC, VW):
-    key = (kind, VEC, VW)
-    la = _launchers.get(key)
-    if la is None:
-        la = _launchers[key] = ik.Launcher(lambda: make_gated_kernel(VEC, NW_FOR[(VEC, VW)], VW))
-    return la
+    return ik.cached_launcher(_launchers, (kind, VEC, VW), lambda: make_gated_kernel(VEC, NW_FOR[(VEC, VW)], VW))
 
 
 def check(x, gate, y):

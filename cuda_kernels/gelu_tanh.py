@@ -116,10 +116,7 @@ def _split(Mw, NW):
 
 
 def _launcher(VEC, VW):
-    la = _launchers.get((VEC, VW))
-    if la is None:
-        la = _launchers[(VEC, VW)] = ik.Launcher(lambda: make_gelu_kernel(VEC, NW_FOR[(VEC, VW)], VW))
-    return la
+    return ik.cached_launcher(_launchers, (VEC, VW), lambda: make_gelu_kernel(VEC, NW_FOR[(VEC, VW)], VW))
 
 
 def check(x, out=None):

@@ -487,14 +487,8 @@ _launchers = {}
 
 
 def _launcher(kind, *key):
-    la = _launchers.get((kind,) + key)
-    if la is None:
-        if kind == "stats":
-            la = ik.Launcher(lambda: make_stats_kernel(*key))
-        else:
-            la = ik.Launcher(lambda: make_norm_kernel(*key))
-        _launchers[(kind,) + key] = la
-    return la
+    fac = make_stats_kernel if kind == "stats" else make_norm_kernel
+    return ik.cached_launcher(_launchers, (kind,) + key, lambda: fac(*key))
 
 
 def _pow2_at_least(v):

@@ -315,11 +315,8 @@ _launchers = {}
 
 
 def _launcher(kind, *key):
-    la = _launchers.get((kind,) + key)
-    if la is None:
-        fac = {"part": make_part_kernel, "norm": make_norm_kernel}[kind]
-        la = _launchers[(kind,) + key] = ik.Launcher(lambda: fac(*key))
-    return la
+    fac = {"part": make_part_kernel, "norm": make_norm_kernel}[kind]
+    return ik.cached_launcher(_launchers, (kind,) + key, lambda: fac(*key))
 
 
 def _chunks(N, HW, R):

@@ -697,6 +697,15 @@ class Launcher:
             return False
 
 
+def cached_launcher(cache: dict, key, make):
+    """``cache[key]``, made on first use as ``Launcher(make)`` -- each op keeps one Launcher per
+    compile-time constant set (its module's ``_launchers``, which tests inspect)."""
+    la = cache.get(key)
+    if la is None:
+        la = cache[key] = Launcher(make)
+    return la
+
+
 def _arg(a):
     if isinstance(a, torch.Tensor):
         a = runtime.arr(a)

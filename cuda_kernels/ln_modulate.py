@@ -322,9 +322,7 @@ def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps, qsc=None):
         qsc = ow  # unused by the bf16 kernel
     if PIPE_BLOCKS[GATED] > 0 and VEC == 4 and VW == 2:
         key = ("pipe", GATED) + tail
-        la = _launchers.get(key)
-        if la is None:
-            la = _launchers[key] = ik.Launcher(lambda: make_row_kernel(4, NW_FOR[(4, 2)], GATED, 2, 1, 1, FP8))
+        la = ik.cached_launcher(_launchers, key, lambda: make_row_kernel(4, NW_FOR[(4, 2)], GATED, 2, 1, 1, FP8))
         ny = L
         if xw.is_cuda:  # enough blocks to fill the GPU once, each striding over several rows
             dev = xw.device.index if xw.device.index is not None else torch.cuda.current_device()
@@ -356,10 +354,7 @@ def _resident(key, la, nt, cap, args, fallback):
 def _launcher(VEC, GATED, VW=1, FP8=0):
     late = int(LATE_VEC[GATED])
     key = (VEC, GATED, VW) + ((late,) if late else ()) + (("fp8",) if FP8 else ())
-    la = _launchers.get(key)
-    if la is None:
-        la = _launchers[key] = ik.Launcher(lambda: make_row_kernel(VEC, NW_FOR[(VEC, VW)], GATED, VW, late, 0, FP8))
-    return la
+    return ik.cached_launcher(_launchers, key, lambda: make_row_kernel(VEC, NW_FOR[(VEC, VW)], GATED, VW, late, 0, FP8))
 
 
 @functools.lru_cache(maxsize=1024)

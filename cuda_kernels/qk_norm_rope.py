@@ -238,10 +238,7 @@ _dummy_pe = {}
 
 
 def _launcher(VW):
-    la = _launchers.get(VW)
-    if la is None:
-        la = _launchers[VW] = ik.Launcher(lambda: make_qk_kernel(VW))
-    return la
+    return ik.cached_launcher(_launchers, VW, lambda: make_qk_kernel(VW))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -646,11 +643,8 @@ _q8_scratch = {}
 
 
 def _q_launcher(name):
-    la = _q_launchers.get(name)
-    if la is None:
-        la = _q_launchers[name] = ik.Launcher({"kmean": make_kmean_kernel, "quant": make_qk_kernel_q,
-                                               "quant_q": lambda: make_qk_kernel_q(False)}[name])
-    return la
+    return ik.cached_launcher(_q_launchers, name, {"kmean": make_kmean_kernel, "quant": make_qk_kernel_q,
+                                                   "quant_q": lambda: make_qk_kernel_q(False)}[name])
 
 
 def _q8_buffers(B, H, Lp, D, dev):

@@ -71,10 +71,7 @@ _launchers = {}
 
 
 def _launcher(CC):
-    la = _launchers.get(CC)
-    if la is None:
-        la = _launchers[CC] = ik.Launcher(lambda: make_kernel(CC))
-    return la
+    return ik.cached_launcher(_launchers, CC, lambda: make_kernel(CC))
 
 
 def check(x):
