@@ -57,6 +57,7 @@ if PTX:        # compile for sm_90 without a GPU (as bench/ptx_hash_attention.py
     _disp.get_current_device = lambda: _types.SimpleNamespace(compute_capability=(9, 0))
 from numba import cuda, float32, int32, int64  # noqa: E402  (module global `cuda`: the simulator swaps it)
 from flux_numba_pack.cuda_kernels import intrinsics as ik, mma as _mma, runtime  # noqa: E402
+from flux_numba_pack.flux_core import harness  # noqa: E402
 
 # plain cuda.jit (no on-disk cache: a few small kernels); fastmath as the pack's kernels
 _jit = cuda.jit if SIM else (lambda f: cuda.jit(f, fastmath=True))
@@ -243,23 +244,9 @@ def wgmma_reference(A, Bs, tiles, groups, G):
 
 # ------------------------------------------------------------------------------------ timing
 def events_ms(fn, warm=3, reps=5):
-    """Median ms of one call between two CUDA events (simulator: wall time of one call)."""
-    if SIM:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
+    """Median ms of one call between two CUDA events (``flux_core.harness``; simulator: one call's
+    wall time)."""
+    return harness.median_ms(fn, DEV, 0, 1) if SIM else harness.median_ms(fn, DEV, warm, reps)
 
 
 def regs_of(la):
