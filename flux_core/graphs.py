@@ -117,12 +117,8 @@ class GraphedForward:
     fresh copy (the static output buffer is reused by the next replay).
     """
 
-    def __init__(self, fn: Callable, module: Optional[torch.nn.Module] = None, warmup: int = 2, max_graphs: int = 4,
-                 weights_key: Optional[Callable[[], tuple]] = None):
-        """``weights_key``: returns the identity of the weights the graph reads (default: the
-        ``data_ptr`` of every parameter of ``module``); a change re-captures."""
+    def __init__(self, fn: Callable, module: Optional[torch.nn.Module] = None, warmup: int = 2, max_graphs: int = 4):
         self.fn, self.module, self.warmup, self.max_graphs = fn, module, max(1, warmup), max_graphs
-        self.weights_key = weights_key
         self.graphs: Dict[tuple, _Entry] = {}
         self._seen: Dict[tuple, int] = {}  # eager warm-up calls made per signature
         self.pool = None
@@ -130,15 +126,15 @@ class GraphedForward:
         self.replays = 0
 
     def _weights_key(self):
-        if self.weights_key is not None:
-            return self.weights_key()
         if self.module is None:
             return None
         return tuple(p.data_ptr() for p in self.module.parameters())
 
-    def __call__(self, *xs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *xs: torch.Tensor, weights_key: Optional[tuple] = None) -> torch.Tensor:
+        """``weights_key``: the identity of the weights the graph reads, when the caller has it
+        already (default: the ``data_ptr`` of every parameter of ``module``); a change re-captures."""
         key = _sig(xs)
-        wk = self._weights_key()
+        wk = self._weights_key() if weights_key is None else weights_key
         e = self.graphs.get(key)
         if e is not None and e.weights_key != wk:
             log.info("[flux_numba] weights moved since capture: re-capturing the CUDA graph")

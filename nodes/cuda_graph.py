@@ -35,7 +35,6 @@ class GraphWrapper:
     def __init__(self, max_graphs: int = 2):
         self.max_graphs = max_graphs
         self.gf = None
-        self._key = None  # this step's weight addresses (host.graph_state)
         self._logged = set()
         self.last_mode = None  # "graph" | "eager: <reason>"
         self.failed = None  # why a capture failed: this model's steps stay eager (no retry per step)
@@ -65,11 +64,11 @@ class GraphWrapper:
             return self._eager(why, executor, *args, **kwargs)
         from ..flux_core.graphs import GraphedForward
         from .host import graph_state
-        why, self._key = graph_state(dm, x.device)   # (one pass; also the weights' addresses for the graph)
+        why, wkey = graph_state(dm, x.device)   # (one pass; also the weights' addresses for the graph)
         if why:
             return self._eager("; ".join(why), executor, *args, **kwargs)
         if self.gf is None:
-            self.gf = GraphedForward(None, max_graphs=self.max_graphs, weights_key=lambda: self._key)
+            self.gf = GraphedForward(None, max_graphs=self.max_graphs)
         has_y, has_g = y is not None, guidance is not None  # FLUX schnell has no guidance input
 
         def fn(xx, tt, cc, *rest):
@@ -80,7 +79,7 @@ class GraphWrapper:
         # the executor and transformer_options of *this* call are what a capture records
         self.gf.fn = fn
         try:
-            out = self.gf(x, timestep, context, *[v for v in (y, guidance) if v is not None])
+            out = self.gf(x, timestep, context, *[v for v in (y, guidance) if v is not None], weights_key=wkey)
         except Exception as e:  # capture failed: never break sampling; not retried for this model
             if type(e).__name__ == "InterruptProcessingException":
                 raise  # the user cancelled (ComfyUI's run_every_op inside an op): no reason to stop capturing

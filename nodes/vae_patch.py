@@ -298,7 +298,6 @@ class LowResGraph:
     def __init__(self, max_graphs: int = 2):
         self.max_graphs = max_graphs
         self.gf = None
-        self._key = None    # this call's weight addresses (host.graph_state)
         self.failed = None
         self.last_mode = None  # "graph" | "warm-up" | "eager: <why>"
         self._logged = set()
@@ -318,21 +317,20 @@ class LowResGraph:
             self.gf = None
 
     def __call__(self, dec, z):
-        why = self.failed
+        why, wkey = self.failed, None
         if why is None:
             from .host import graph_state
-            why, self._key = graph_state(dec, z.device)
+            why, wkey = graph_state(dec, z.device)
             why = "; ".join(why) or None
         if why:
             return self._eager(dec, z, why)
         if self.gf is None:
             from ..flux_core.graphs import GraphedForward
-            self.gf = GraphedForward(lambda x: _stage_low(dec, x), warmup=2, max_graphs=self.max_graphs,
-                                     weights_key=lambda: self._key)
+            self.gf = GraphedForward(lambda x: _stage_low(dec, x), warmup=2, max_graphs=self.max_graphs)
         _every_op()  # the interrupt check the replayed ops no longer make
         replays = self.gf.replays
         try:
-            out = self.gf(z)
+            out = self.gf(z, weights_key=wkey)
         except Exception as e:
             if _is_oom(e):
                 self.drop()

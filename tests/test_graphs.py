@@ -115,7 +115,7 @@ def test_flux_graph_wrapper_interrupt_keeps_graphs(monkeypatch):
         def __init__(self, fn, **kw):
             self.fn = fn
 
-        def __call__(self, *xs):
+        def __call__(self, *xs, weights_key=None):
             raise raised.pop(0)
 
     monkeypatch.setattr(CG, "capture_problem", lambda ex, topts: None)

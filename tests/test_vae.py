@@ -425,7 +425,7 @@ def test_low_res_graph_failures(monkeypatch, caplog):
         def __init__(self, fn, **kw):
             self.graphs, self.replays = {}, 0
 
-        def __call__(self, x):
+        def __call__(self, x, weights_key=None):
             exc = raised.pop(0)
             raise exc
 
