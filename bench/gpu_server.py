@@ -159,11 +159,14 @@ def sample(*a, **k):
     return _profiled(_orig, a, k)
 
 
-def _profiled(orig, a, k):
+def _profiled(orig, a, k, suffix=""):
     mode = _mode()
     if not mode:
         return orig(*a, **k)
     kind, tag = mode.split(":", 1)
+    if suffix and tag.startswith("vae_"):
+        suffix = ""  # a decode-only prompt: the decode is the profile
+    tag += suffix
     _sync()
     t0 = time.perf_counter()
     if kind == "cprofile":
@@ -205,14 +208,15 @@ _orig_decode = comfy.sd.VAE.decode
 
 
 def vae_decode(self, *a, **k):  # decode-only prompts (gpu_server's vae_* cases): profile the decode
-    return _profiled(lambda *a_, **k_: _orig_decode(self, *a_, **k_), a, k)
+    # (in a sampling prompt the decode's profile goes beside the sampler's, not over it)
+    return _profiled(lambda *a_, **k_: _orig_decode(self, *a_, **k_), a, k, suffix="_decode")
 
 
 comfy.sd.VAE.decode = vae_decode
 NODE_CLASS_MAPPINGS = {}
 '''
 
-KEYS = ("fallback", "FluxNumbaVAEPatch", "DynamicVRAM", "running ComfyUI's original block", "CUDA graph", "captured a CUDA graph", "is off for this model",
+KEYS = ("fallback", "per-block", "profile fast", "FluxNumbaVAEPatch", "DynamicVRAM", "running ComfyUI's original block", "CUDA graph", "captured a CUDA graph", "is off for this model",
         "FluxNumbaPatch", "Traceback", "Error", "error", "terminate called", "freeAsync")
 
 

@@ -39,12 +39,26 @@ class GraphWrapper:
         self.last_mode = None  # "graph" | "eager: <reason>"
         self.failed = None  # why a capture failed: this model's steps stay eager (no retry per step)
 
+    def drop(self):
+        """Free the captured whole-forward graphs (the model was unloaded); later calls re-capture."""
+        gf, self.gf = self.gf, None
+        if gf is not None:
+            from ..flux_core.graphs import drop_graph
+            for e in gf.graphs.values():
+                drop_graph(e.graph)
+            gf.graphs.clear()
+
     def _eager(self, why, executor, *args, **kwargs):
+        """The forward without the whole-forward graph: its blocks may replay per-block graphs
+        (``flux_core.block_graphs``) where their weights are resident."""
+        from ..flux_core import block_graphs
         if why not in self._logged:
             self._logged.add(why)
-            log.info("[flux_numba] CUDA graph off for this call: %s", why)
+            log.info("[flux_numba] whole-forward CUDA graph off for this call (per-block graphs where the "
+                     "weights are resident): %s", why)
         self.last_mode = "eager: " + why
-        return executor(*args, **kwargs)
+        with block_graphs.allowed():
+            return executor(*args, **kwargs)
 
     def __call__(self, executor, x, timestep, context, y=None, guidance=None, ref_latents=None, control=None,
                  transformer_options={}, **kwargs):

@@ -473,3 +473,102 @@ def graph_state(module: torch.nn.Module, device: torch.device):
         why.append("already inside a capture")
     return why, tuple(ptrs)
 
+
+
+# ----------------------------------------------------------------------------- per-block graphs
+def _model_vbar():
+    try:
+        import comfy_aimdo.model_vbar as mv
+    except Exception:
+        return None
+    return mv if all(hasattr(mv, n) for n in ("vbar_fault", "vbar_unpin", "vbar_signature_compare")) else None
+
+
+class _Residency:
+    """A block's weights as a graph sees them: comfy-aimdo page signatures of its DynamicVRAM
+    weights (compared with ``vbar_signature_compare``), the addresses of its other parameters, and
+    ComfyUI's weight-patch identity.  Equal keys: a graph captured under one reads the same weights
+    under the other."""
+    __slots__ = ("sigs", "rest")
+    __hash__ = None
+
+    def __init__(self, sigs, rest):
+        self.sigs, self.rest = sigs, rest
+
+    def __eq__(self, other):
+        if not isinstance(other, _Residency) or self.rest != other.rest or len(self.sigs) != len(other.sigs):
+            return False
+        if not self.sigs:
+            return True
+        cmp = _model_vbar().vbar_signature_compare
+        return all(cmp(a, b) for a, b in zip(self.sigs, other.sigs))
+
+
+def block_residency(blk, device, epoch):
+    """(residency key or None, why not, pinned vbar allocations) of a FLUX block for one call.
+
+    DynamicVRAM weights: faulted (made resident and pinned) through comfy-aimdo's ``vbar_fault`` --
+    the block's ``_v_block`` where ComfyUI made the block a DynamicVRAM unit, else each module's
+    ``_v`` (the allocations ComfyUI's ops fault per call) -- the way ComfyUI's own block graphs
+    (``comfy.model_prefetch``) check residency; the caller unpins them (``release_pins``) once the
+    block's work is queued.  A fault that finds no room (streamed weights) -> None.  Other
+    parameters must be on ``device`` (else: offloaded -> None); weight / bias functions (on-the-fly
+    LoRA) -> None (a graph would freeze them)."""
+    if device.type != "cuda":
+        return None, "not a CUDA device", ()
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    mv = None
+    allocs, rest = [], [epoch]
+    vblock = blk.__dict__.get("_v_block")
+    if vblock is not None:
+        allocs.append(vblock)
+    for m in blk.modules():
+        d = m.__dict__
+        if _has_weight_functions(m):
+            return None, f"weight functions on a {type(m).__name__} (on-the-fly LoRA / patches)", ()
+        if "_v" in d:
+            if vblock is None:
+                allocs.append(d["_v"])
+            continue
+        for n, p in m._parameters.items():
+            if p is None:
+                continue
+            if not p.is_cuda or p.get_device() != idx:
+                return None, f"weights offloaded ({type(m).__name__}.{n} on {p.device})", ()
+            rest.append(p.data_ptr())
+    sigs, pinned = [], []
+    if allocs:
+        mv = _model_vbar()
+        if mv is None:
+            return None, "DynamicVRAM weights but comfy_aimdo.model_vbar has no fault API", ()
+        for a in allocs:
+            s = mv.vbar_fault(a)
+            pinned.append(a)
+            if s is None:
+                release_pins(pinned)
+                return None, "weights not resident (DynamicVRAM streams them)", ()
+            sigs.append(s)
+    return _Residency(tuple(sigs), tuple(rest)), None, tuple(pinned)
+
+
+def release_pins(pinned):
+    """Unpin what ``block_residency`` faulted (after the block's work is queued, as ComfyUI's ops do)."""
+    if pinned:
+        mv = _model_vbar()
+        for a in pinned:
+            mv.vbar_unpin(a)
+
+
+def drop_on_unload(model_patcher, key, drop):
+    """Call ``drop()`` when ComfyUI unloads the model (``ModelPatcher.detach(unpatch_all=True)``);
+    v0.8.0's ``load_models_gpu`` also detaches with ``unpatch_all=False`` on every load (weights stay
+    put: kept).  Returns False where the host has no patcher callbacks."""
+    def on_detach(mp, unpatch_all=True, *a, **k):
+        if unpatch_all:
+            drop()
+    try:
+        import comfy.patcher_extension as pe
+        model_patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, key, on_detach)
+        return True
+    except Exception:
+        return False

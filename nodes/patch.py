@@ -37,21 +37,19 @@ import itertools
 import logging
 import os
 import weakref
+from collections import OrderedDict
 from typing import Optional
 
 import torch
 
-from .host import (ComfyWeights, attention_override, block_problem, call_problem, default_sdpa_attention, dynamic_block,
-                   fp8_stored_block,
-                   flux_attention, resolve_block, staged_block, weight_epoch)
+from .host import (ComfyWeights, attention_override, block_problem, block_residency, call_problem, default_sdpa_attention,
+                   dynamic_block, fp8_stored_block, flux_attention, release_pins, resolve_block, staged_block,
+                   weight_epoch)
 
 log = logging.getLogger("flux_numba")
 
 PROFILES = ["exact", "stock-order", "fast", "fast-cached"]
 FAST_PROFILES = ("fast", "fast-cached")
-# A/B knob for the next measurement: profile fast's per-step weight quantisation on bf16 DynamicVRAM
-# blocks too (off by default: measured slower than stock there, session 7)
-FAST_ON_DYNAMIC = os.environ.get("FLUX_NUMBA_FAST_DYNAMIC") == "1"
 ATTENTIONS = ["auto", "sdpa", "numba-bf16", "numba-8bit"]
 BACKENDS = ["auto", "torch", "numba"]
 CUDA_GRAPHS = ["auto", "off"]
@@ -63,13 +61,44 @@ REFERENCE_NAME = "torch"  # the registry's reference backend
 SDPA_BACKENDS = (REFERENCE_NAME, "cudnn")  # the attention op's torch SDPA backends (torch's order / cuDNN first)
 INFO_KEY = "flux_numba"
 
+# per-block graph capture function (None: CUDA graphs, flux_core.block_graphs.CudaCapture); tests set a stand-in
+BLOCK_CAPTURE = None
+
 # patch id -> live counters (calls, fallbacks, reasons); the step timer may read ``stats(id)``
 _STATS = {}
 _ids = itertools.count(1)
 
 
+_RUNNERS = weakref.WeakValueDictionary()  # patch id -> its _Runner (while a patched model holds it)
+# The last REUSE_MAX patches (model, options) keep their runner: re-executing FluxNumbaPatch with the same
+# inputs (workflows that alternate re-run the node) reuses its CUDA graphs, attention choices and fp8
+# copies instead of warming up and capturing again.  An unload frees their graphs and fp8 copies.
+_REUSE = OrderedDict()
+REUSE_MAX = 3
+
+
 def stats(patch_id: int) -> dict:
     return _STATS.get(patch_id, {})
+
+
+def _reuse_key(model, opts):
+    return id(model), tuple(sorted(opts.items()))
+
+
+def _reused_runner(model, opts):
+    key = _reuse_key(model, opts)
+    r = _REUSE.get(key)
+    if r is None or r.model_ref() is not model:
+        _REUSE.pop(key, None)
+        return None
+    _REUSE.move_to_end(key)
+    return r
+
+
+def runner_of(model_patcher):
+    """The _Runner of a patched ModelPatcher (tests, benches), or None."""
+    info = model_patcher.model_options.get("transformer_options", {}).get(INFO_KEY) or {}
+    return _RUNNERS.get(info.get("id"))
 
 
 def _simulator_ok() -> bool:
@@ -166,7 +195,7 @@ class _Runner:
         self.fast = options["profile"] in FAST_PROFILES
         self._fp8 = {}  # device -> flux_core.fast.Fp8Weights, or None where fp8 cannot run (logged)
         self.policy, self.attn_route = self._policy(options, registry)
-        self.block_ok = {}  # id(block) -> (weakref(block), reason or None, DynamicVRAM weights?, fp8-stored weights?)
+        self.block_ok = {}  # id(block) -> (weakref(block), reason or None, DynamicVRAM weights?, fp8-stored weights?, serial)
         # DynamicVRAM: stage each block's weights at once (host.staged_block); "0" only for A/B runs
         self.stage_blocks = os.environ.get("FLUX_NUMBA_BLOCK_STAGING", "1") != "0"
         self.proven = set()  # input signatures that ran through our path once
@@ -176,9 +205,31 @@ class _Runner:
         self.off = {}  # forward signature -> why the fused path is off for it (turn_off)
         self.silu_cache = {}  # shared by every block call: SiLU(vec) once per step (BlockContext.silu)
         self.version = runtime.tensor_version
+        self.patch_id = patch_id
+        self.whole = None  # the whole-forward GraphWrapper (cuda_graph auto)
+        self.graphs = None  # flux_core.block_graphs.BlockGraphs when cuda_graph is auto (enable_block_graphs)
+        self.graph_why = {}  # why a block call could not replay (not resident, weight functions ...) -> calls
+        from ..flux_core import block_graphs
+        self._graphs_mod = block_graphs
         while len(_STATS) >= 256:  # keep the counters of recent patches only
             _STATS.pop(next(iter(_STATS)))
         self.stats = _STATS.setdefault(patch_id, {"calls": 0, "fallbacks": 0, "reasons": {}})
+
+    def unloaded(self):
+        """ComfyUI unloaded the model: free the CUDA graphs and the kept fp8 weight copies."""
+        if self.graphs is not None:
+            self.graphs.drop("the model was unloaded")
+        if self.whole is not None:
+            self.whole.drop()
+        for c in self._fp8.values():
+            if c is not None:
+                c._cache.clear()
+
+    def enable_block_graphs(self, capture_fn=None):
+        self.graphs = self._graphs_mod.BlockGraphs(capture_fn)
+        self.stats["block_graphs"] = self.graphs.counts  # replay / capture / eager / eager_not_resident / failed
+        self.stats["block_graph_misses"] = self.graph_why
+        return self.graphs
 
     @staticmethod
     def _policy(o, registry):
@@ -294,7 +345,7 @@ class _Runner:
         log.warning("[flux_numba] %s block %d %s; the pack's path is off for this model at input %s "
                     "(it runs stock from here on)", kind, index, why, fsig)
 
-    def __call__(self, kind, index, args, extra):
+    def __call__(self, kind, index, args, extra, wrapped=False):
         fsig = self.forward_sig(kind, args)
         if fsig in self.off:  # failed before at this signature: stock at the cost of a dict lookup
             self.stats["stock"] = self.stats.get("stock", 0) + 1
@@ -305,7 +356,7 @@ class _Runner:
         hit = self.block_ok.get(id(blk))
         if hit is None or hit[0]() is not blk:
             hit = self.block_ok[id(blk)] = (weakref.ref(blk), block_problem(kind, blk), dynamic_block(blk),
-                                            self.fast and fp8_stored_block(kind, blk))
+                                            self.fast and fp8_stored_block(kind, blk), next(_ids))
         bad = hit[1] or call_problem(args, extra)
         if bad is None:
             bad = _input_problem(kind, blk, args)
@@ -317,39 +368,78 @@ class _Runner:
         topts = args.get("transformer_options") or {}
         sig = (kind, tuple(img.shape), img.dtype, img.device, None if txt is None else tuple(txt.shape),
                None if mask is None else tuple(mask.shape))
-        weights = ComfyWeights()
-        ctx = self.blocks.BlockContext(fused=self.fused, attention=self._attention(topts, sig), silu_cache=self.silu_cache,
-                                       gemm_epilogue=self.fused and self.opts["backend"] == "auto" and self.opts["route_norms"],
-                                       host=weights, quant8=self.policy.get(ATTENTION_OP) == "numba-8bit")
+        # per-block CUDA graphs: the whole-forward graph is not running this call (block_graphs.allowed),
+        # and no other node's block replacement wraps ours (it may keep our outputs across calls)
+        use_graph = self.graphs is not None and not wrapped and self._graphs_mod.is_allowed() and not _graph_probe()
+        epoch = weight_epoch(self.model_ref() if self.model_ref is not None else None)
+        attention = self._attention(topts, sig)
+        fp8 = None
         if self.fast:
             fp8 = self.fp8_cache(img.device)
-            if fp8 is not None and not fp8.keep and hit[2] and not hit[3] and not FAST_ON_DYNAMIC:
-                # DynamicVRAM + bf16 weights + per-step quantisation: measured slower than stock
-                # (v0.33 server, session 7: 5.75-5.93 s vs stock 5.18; exact 4.03, fast-cached 3.71-4.33)
+            if fp8 is not None and not fp8.keep and hit[2] and not hit[3] and not use_graph:
+                # DynamicVRAM + bf16 weights + per-step quantisation, eager: slower than stock there;
+                # inside per-block graphs the quantisation is device work only
                 self.note(("fast-dynamic", kind), logging.WARNING,
-                          "profile fast: %s blocks have bf16 DynamicVRAM weights; quantising them again every "
-                          "step measured slower than stock there, so these blocks run the exact profile "
-                          "(fast-cached, or weights stored in fp8_e4m3fn, keep fp8 GEMMs)", kind)
+                          "profile fast: %s blocks have bf16 DynamicVRAM weights and per-block CUDA graphs are off "
+                          "(cuda_graph off, or another node wraps the blocks): quantising them again every step "
+                          "eagerly is slower than stock, so these blocks run the exact profile", kind)
                 fp8 = None
-            ctx.fp8 = fp8
-            ctx.fp8_epoch = weight_epoch(self.model_ref() if self.model_ref is not None else None)
         policy = self.policy
         choice = self.attn_choice.get(sig)
         if self.attn_route == "auto" and choice is not None and (choice not in SDPA_BACKENDS or self.sdpa_direct()):
             policy = dict(policy, **{ATTENTION_OP: choice})  # the registry op writes straight into `out`
+
+        def run(silu_cache, host, img, txt, vec, pe, mask):
+            ctx = self.blocks.BlockContext(fused=self.fused, attention=attention, silu_cache=silu_cache,
+                                           gemm_epilogue=self.fused and self.opts["backend"] == "auto"
+                                           and self.opts["route_norms"],
+                                           host=host, quant8=self.policy.get(ATTENTION_OP) == "numba-8bit",
+                                           fp8=fp8, fp8_epoch=epoch)
+            with self.registry.force(**policy):
+                if kind == "double":
+                    o_img, o_txt = self.blocks.double_block(blk, img, txt, vec, pe, mask, ctx)
+                    return {"img": o_img, "txt": o_txt}
+                return {"img": self.blocks.single_block(blk, img, vec, pe, mask, ctx)}
+
+        def eager():
+            return self._eager(kind, index, fsig, sig, blk, hit, args, extra, run)
+
+        self.stats["calls"] += 1
+        if not use_graph:
+            return eager()
+
+        def core(img, txt=None, vec=None, pe=None, mask=None):
+            w = ComfyWeights()
+            try:
+                return run({}, w, img, txt, vec, pe, mask)  # a fresh SiLU(vec) per graph: no tensor shared between graphs
+            finally:
+                w.release()
+
+        wkey, why, pins = block_residency(blk, img.device, epoch)
+        try:
+            inputs = {"img": img, "txt": txt, "vec": vec, "pe": pe, "mask": mask} if kind == "double" else \
+                {"img": img, "vec": vec, "pe": pe, "mask": mask}
+            out = self.graphs.call((hit[4], sig), kind, wkey, inputs, core, eager,
+                                   outputs=("img", "txt") if kind == "double" else ("img",),
+                                   prepare=lambda: staged_block(blk, img.device, hit[2] and self.stage_blocks))
+        finally:
+            release_pins(pins)
+        if why is not None:
+            self.graph_why[why] = self.graph_why.get(why, 0) + 1
+        return out
+
+    def _eager(self, kind, index, fsig, sig, blk, hit, args, extra, run):
+        """The block on the caller's tensors, with the first-call backup and the fallback policy."""
+        img, txt = args["img"], args.get("txt")
+        vec, pe, mask = args["vec"], args.get("pe"), args.get("attn_mask")
         backup = None
         if sig not in self.proven:  # the first call of a signature only: undo an in-place update on failure
             backup = (img.clone(), None if txt is None else txt.clone())
         versions = (self.version(img), None if txt is None else self.version(txt))
-        self.stats["calls"] += 1
+        weights = ComfyWeights()
         with staged_block(blk, img.device, hit[2] and self.stage_blocks):
             try:
-                with self.registry.force(**policy):
-                    if kind == "double":
-                        o_img, o_txt = self.blocks.double_block(blk, img, txt, vec, pe, mask, ctx)
-                        out = {"img": o_img, "txt": o_txt}
-                    else:
-                        out = {"img": self.blocks.single_block(blk, img, vec, pe, mask, ctx)}
+                out = run(self.silu_cache, weights, img, txt, vec, pe, mask)
             except Exception as e:
                 if _is_oom(e) or _graph_probe():
                     raise  # a CUDA-graph warm-up or capture: the graph wrapper runs the step eagerly
@@ -413,7 +503,7 @@ def _make_fn(runner, kind, index, previous=None):
     else:  # another node's replacement was there first: it wraps our block as its "original"
         def fn(args, extra):
             inner = dict(extra)
-            inner["original_block"] = lambda a: runner(kind, index, a, extra)
+            inner["original_block"] = lambda a: runner(kind, index, a, extra, wrapped=True)
             return previous(args, inner)
     fn._flux_numba = True
     fn._flux_numba_previous = previous
@@ -515,8 +605,14 @@ class FluxNumbaPatch:
                 why = f"cannot inspect the model ({type(e).__name__}: {e})"
         if why is None:
             try:
-                patch_id = next(_ids)
-                runner = _Runner(opts, weakref.ref(m.model), patch_id)
+                runner = _reused_runner(m.model, opts)
+                if runner is None:
+                    runner = _Runner(opts, weakref.ref(m.model), next(_ids))
+                    _RUNNERS[runner.patch_id] = runner
+                    _REUSE[_reuse_key(m.model, opts)] = runner
+                    while len(_REUSE) > REUSE_MAX:
+                        _REUSE.popitem(last=False)
+                patch_id = runner.patch_id
             except Exception as e:
                 why = f"cannot set up the pack's blocks ({type(e).__name__}: {e})"
         if why is not None:
@@ -539,7 +635,13 @@ class FluxNumbaPatch:
         info["cuda_graph"] = "off"
         if opts["cuda_graph"] == "auto":
             from .cuda_graph import install
-            install(m)
+            from .host import drop_on_unload
+            if runner.whole is None:
+                runner.whole = install(m)
+                runner.enable_block_graphs(BLOCK_CAPTURE)
+            else:
+                install(m, runner.whole)
+            drop_on_unload(m, "flux_numba_block_graphs", runner.unloaded)
             info["cuda_graph"] = "auto"
         info.update(active=True, id=patch_id, attention_route=runner.attn_route,
                     policy=dict(runner.policy), simulator=bool(getattr(runtime, "SIMULATOR", False)))

@@ -548,9 +548,11 @@ def test_graph_blockers_allow_resident_casts_only(comfy):
     assert any("stage or patch their weights per call" in w for w in why), why
 
 
-def test_fast_on_dynamic_bf16_blocks_runs_exact(comfy, monkeypatch, caplog):
-    """profile fast (per-step weight quantisation) on blocks with bf16 DynamicVRAM weights runs the
-    exact path with one warning (measured slower than stock on v0.33); fast-cached keeps fp8 there."""
+def test_fast_on_dynamic_bf16_blocks(comfy, monkeypatch, caplog):
+    """profile fast (per-step weight quantisation) on blocks with bf16 DynamicVRAM weights: with
+    per-block graphs (cuda_graph auto) the quantisation is device work inside the graphs and the
+    GEMMs run in fp8; with cuda_graph off (eager: slower than stock there) the blocks run the exact
+    path with one warning; fast-cached keeps fp8 either way."""
     from flux_numba_pack.flux_core import fast
     if fast.support("cpu"):
         pytest.skip(fast.support("cpu"))
@@ -561,13 +563,17 @@ def test_fast_on_dynamic_bf16_blocks_runs_exact(comfy, monkeypatch, caplog):
     latent = torch.zeros(1, 16, 8, 8)
     stock = _sample(mp, latent)
     with caplog.at_level(logging.WARNING, logger="flux_numba"):
-        pm, = Patch().patch(mp, backend="torch", profile="fast")
+        pm, = Patch().patch(mp, backend="torch", profile="fast", cuda_graph="off")
         got = _sample(pm, latent)
     st = patch_stats(pm)
     assert st["fallbacks"] == 0 and not st.get("off") and not n_mm, st
     assert rel_err(got, stock) < 1e-4  # the exact path
     assert "DynamicVRAM weights" in caplog.text
-    pc, = Patch().patch(mp, backend="torch", profile="fast-cached")
+    pg, = Patch().patch(mp, backend="torch", profile="fast", cuda_graph="auto")
+    _sample(pg, latent)
+    assert n_mm and patch_stats(pg)["fallbacks"] == 0
+    n_mm.clear()
+    pc, = Patch().patch(mp, backend="torch", profile="fast-cached", cuda_graph="off")
     _sample(pc, latent)
     assert n_mm
 
@@ -648,3 +654,91 @@ def test_graph_state_one_pass():
     m[2]._v = object()                                       # DynamicVRAM vbar weights
     why, _ = graph_state(m, torch.device("cuda", 0))
     assert len(why) == 2 and "per call" in why[1] and "Conv2d" in why[1], why
+
+
+# ----------------------------------------------------------------------------- per-block graphs
+GRAPH_CASES = ["plain", "lora_after_patch", "cfg_negative", "noise_mask", "batch2", "easycache_after_patch"]
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES)
+def test_block_graphs_follow_residency_and_equal_stock(comfy, monkeypatch, case):
+    """Per-block graphs in ComfyUI's sampler, driven by a stand-in residency (resident, streamed every
+    third call of a block, weights moved half-way) and a recording stand-in for CUDA graphs (a replay
+    re-runs the captured block over the same static buffers): every state occurs -- capture, replay,
+    eager on a miss, re-capture after a move -- and the samples equal stock's."""
+    import flux_numba_pack.nodes.patch as patch_mod
+    from test_block_graphs import Recorder
+    c = CASES[case]
+    calls = {}
+    moved = {"after": None}
+
+    def fake_residency(blk, device, epoch):
+        n = calls[id(blk)] = calls.get(id(blk), 0) + 1
+        if n % 3 == 0:
+            return None, "weights not resident (stand-in)", ()
+        gen = 1 if moved["after"] is not None and n > moved["after"] else 0
+        return ("resident", epoch, id(blk), gen), None, ()
+    rec = Recorder()
+    monkeypatch.setattr(patch_mod, "block_residency", fake_residency)
+    monkeypatch.setattr(patch_mod, "BLOCK_CAPTURE", rec)
+    mp = tiny_patcher(comfy, torch.float32)
+    h, w = TINY_LATENT[1:]
+    B = c.get("batch", 1)
+    latent = torch.zeros(B, 16, h, w)
+    kw = dict(steps=8, cfg=c.get("cfg", 1.0))
+    if c.get("mask"):
+        m = torch.zeros(B, 1, h * 8, w * 8)
+        m[..., : h * 4, :] = 1.0
+        kw["noise_mask"] = m
+        latent = torch.randn(B, 16, h, w, generator=torch.Generator().manual_seed(3))
+    if c.get("neg"):
+        kw["neg"] = _cond(neg=True)
+    pm, = Patch().patch(mp, backend="torch", profile="exact", cuda_graph="auto")
+    stock_model = mp
+    if c.get("lora") == "after":
+        patches = _lora_patches(mp)
+        stock_model = mp.clone()
+        stock_model.add_patches(patches, 1.0)
+        pm = pm.clone()
+        pm.add_patches(patches, 1.0)
+    if c.get("cache"):
+        stock_model = _easycache(stock_model, c["cache"])
+        pm = _easycache(pm, c["cache"])
+    stock = _sample(stock_model, latent, **kw)
+    moved["after"] = 4
+    got = _sample(pm, latent, **kw)
+    st = patch_stats(pm)
+    counts = st["block_graphs"]
+    assert st["fallbacks"] == 0 and not st.get("off"), st
+    assert counts["capture"] >= N_BLOCKS and counts["replay"] > 0 and counts["eager_not_resident"] > 0, counts
+    assert counts["capture"] > N_BLOCKS, f"a move must re-capture: {counts}"
+    assert torch.allclose(got, stock, rtol=1e-5, atol=1e-5), rel_err(got, stock)
+    import comfy.patcher_extension as pe
+    for cb in pm.get_all_callbacks(pe.CallbacksMP.ON_DETACH):
+        cb(pm, True)  # ComfyUI unloads the model: every graph and buffer goes
+    assert rec.graphs and _graphs_of(pm).entries == {} and _graphs_of(pm).buffers == {}
+
+
+def _graphs_of(pm):
+    from flux_numba_pack.nodes.patch import runner_of
+    return runner_of(pm).graphs
+
+
+def test_block_graphs_off_where_another_node_wraps_the_blocks(comfy, monkeypatch):
+    """Another node's block replacement around ours may keep our outputs between calls: those calls
+    run eagerly (no static buffers handed out)."""
+    import flux_numba_pack.nodes.patch as patch_mod
+    from test_block_graphs import Recorder
+    monkeypatch.setattr(patch_mod, "block_residency", lambda blk, device, epoch: (("r", id(blk)), None, ()))
+    monkeypatch.setattr(patch_mod, "BLOCK_CAPTURE", Recorder())
+    mp = tiny_patcher(comfy, torch.float32)
+    inner = mp.clone()
+    for i in range(len(inner.model.diffusion_model.double_blocks)):
+        inner.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", "double_block", i)
+    pm, = Patch().patch(inner, backend="torch", cuda_graph="auto")
+    latent = torch.zeros(1, 16, *TINY_LATENT[1:])
+    got = _sample(pm, latent, steps=4)
+    assert torch.allclose(got, _sample(mp, latent, steps=4), rtol=1e-5, atol=1e-5)
+    counts = patch_stats(pm)["block_graphs"]
+    n_single = len(mp.model.diffusion_model.single_blocks)
+    assert counts["capture"] == n_single, counts  # only the unwrapped single blocks
