@@ -195,7 +195,10 @@ def _profiled(orig, a, k, suffix=""):
     top = {}
     for e in ev:
         top[e.name] = top.get(e.name, 0.0) + e.device_time / 1e3
-    rec = {"wall_s": wall, "gpu_kernel_s": busy, "kernels": len(ev),
+    # the span from the first to the last GPU event: the steps themselves, without the host-only prologue
+    # (model load, sampler set-up) that wall time also holds
+    span = (max(e.time_range.end for e in ev) - min(e.time_range.start for e in ev)) / 1e6 if ev else 0.0
+    rec = {"wall_s": wall, "gpu_kernel_s": busy, "gpu_span_s": span, "kernels": len(ev),
            "top_ms": sorted(top.items(), key=lambda kv: -kv[1])[:25]}
     json.dump(rec, open(os.path.join(CTRL, f"gpu_{tag}.json"), "w"), indent=1)
     return out
@@ -549,7 +552,7 @@ def main():
                         gj = os.path.join(prof_dir, f"gpu_{case}.json")
                         if kind == "torch" and os.path.exists(gj):
                             g = json.load(open(gj))
-                            rec.setdefault("profile", {})[case] = {k: g[k] for k in ("wall_s", "gpu_kernel_s", "kernels")}
+                            rec.setdefault("profile", {})[case] = {k: g.get(k) for k in ("wall_s", "gpu_kernel_s", "gpu_span_s", "kernels")}
                 with open(os.path.join(prof_dir, "mode"), "w") as f:
                     f.write("")
             for case in cases:
@@ -593,7 +596,8 @@ def main():
         for case, pr in rec.get("profile", {}).items():
             print(f"profile {rec['comfyui']} {rec['flags'] or '(default)'} {case}: wall {pr['wall_s']:.2f} s, "
                   f"GPU kernels {pr['gpu_kernel_s']:.2f} s ({100 * pr['gpu_kernel_s'] / pr['wall_s']:.0f}% busy), "
-                  f"{pr['kernels']} kernels")
+                  f"{pr['kernels']} kernels; first-to-last GPU event {pr['gpu_span_s'] or 0:.2f} s "
+                  f"({100 * pr['gpu_kernel_s'] / (pr['gpu_span_s'] or 1e9):.0f}% busy over the steps)")
     for rec in results:
         if rec.get("median_warm_s"):
             print(f"median of runs 2..N, {rec['comfyui']} {rec['flags'] or '(default)'}: "

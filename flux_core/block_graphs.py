@@ -188,13 +188,15 @@ class BlockGraphs:
 
     # ------------------------------------------------------------------ call
     def call(self, key, stage: str, weights, inputs: Dict[str, Optional[torch.Tensor]],
-             core: Callable, eager: Callable, outputs=("img",), prepare: Optional[Callable] = None):
+             core: Callable, eager: Callable, outputs=("img",), prepare: Optional[Callable] = None,
+             can_capture: Optional[Callable] = None):
         """One block call.  ``key``: (block identity, call signature) -- the stage's signature is
         added here; ``weights``: the host's residency key (None: not graphable now); ``inputs``:
         name -> tensor (``STREAMS`` updated in place, ``PER_FORWARD`` read); ``core(**tensors)``: the
         block on the given tensors, returning {name: tensor} for ``outputs``; ``eager()``: the same
         block on the caller's tensors (its result is returned as it is); ``prepare()``: a context
-        manager held around a capture (the host stages the block's weights there)."""
+        manager held around a capture (the host stages the block's weights there); ``can_capture()``:
+        None, or why capturing now is unsafe (the call then runs eagerly and a later one tries again)."""
         key = (key, signature(inputs))
         if weights is None:
             self.counts["eager_not_resident"] += 1
@@ -214,6 +216,11 @@ class BlockGraphs:
         if key in self.failed or self.seen.get(key) != weights:
             self.seen[key] = weights
             self.counts["eager"] += 1
+            return eager()
+        why = can_capture() if can_capture is not None else None
+        if why:
+            self.counts["eager_no_headroom"] += 1
+            self.note(("headroom", why), "per-block CUDA graph not captured now: %s; the block runs eagerly", why)
             return eager()
         return self._capture(key, stage, weights, inputs, core, eager, outputs, prepare)
 

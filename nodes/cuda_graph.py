@@ -18,7 +18,8 @@ step.  Only when it is safe -- otherwise the step runs eagerly and the reason is
   * no ControlNet, no reference latents (Kontext), no other per-step model patches,
   * not already capturing.
 Weights patched in place (LoRA) keep their addresses, so replays see them; if weights move
-(model unloaded and reloaded) the graph is re-captured.
+(model unloaded and reloaded) the graph is re-captured.  Where the whole forward runs eagerly, the
+blocks inside may replay per-block graphs (``flux_core.block_graphs.allowed``).
 """
 from __future__ import annotations
 

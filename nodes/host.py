@@ -543,12 +543,49 @@ def block_residency(blk, device, epoch):
             return None, "DynamicVRAM weights but comfy_aimdo.model_vbar has no fault API", ()
         for a in allocs:
             s = mv.vbar_fault(a)
-            pinned.append(a)
-            if s is None:
+            if s is None:  # (unpinned only after a fault that succeeded, as ComfyUI's ops do)
                 release_pins(pinned)
                 return None, "weights not resident (DynamicVRAM streams them)", ()
+            pinned.append(a)
             sigs.append(s)
     return _Residency(tuple(sigs), tuple(rest)), None, tuple(pinned)
+
+
+VBAR_PAGE = 32 << 20  # comfy-aimdo's VBAR_PAGE_SIZE
+CAPTURE_HEADROOM = 3 << 30  # free device memory a block capture needs around it (its allocations)
+
+
+def capture_headroom(pinned, device) -> Optional[str]:
+    """None when capturing a block now cannot make the memory manager move weights inside the
+    capture, else why.  A capture allocates the block's temporaries; if that allocation has to make
+    room -- comfy-aimdo evicting weight pages when the DynamicVRAM budget is exceeded -- the capture is
+    invalidated, and under cudaMallocAsync the frees that follow terminate the process (seen with
+    ``--reserve-vram 118``).  So: every vbar the block's weights live in must hold all of the model's
+    weight pages within its budget (comfy-aimdo's watermark), and ``device`` must have
+    ``CAPTURE_HEADROOM`` free."""
+    if device.type != "cuda":
+        return None
+    seen = set()
+    for a in pinned:
+        vb = a[0]
+        if id(vb) in seen:
+            continue
+        seen.add(id(vb))
+        try:
+            used = -(-int(vb.offset) // VBAR_PAGE)
+            budget = int(vb.get_watermark())
+        except Exception as e:
+            return f"cannot read the DynamicVRAM budget ({type(e).__name__})"
+        if budget < used:
+            return (f"the DynamicVRAM budget holds {budget} of the model's {used} weight pages "
+                    f"(weights are streamed: no graphs under memory pressure)")
+    try:
+        free = torch.cuda.mem_get_info(device)[0]
+    except Exception as e:
+        return f"cannot read free device memory ({type(e).__name__})"
+    if free < CAPTURE_HEADROOM:
+        return f"{free / 2 ** 30:.1f} GB free on {device} (a capture needs {CAPTURE_HEADROOM >> 30} GB)"
+    return None
 
 
 def release_pins(pinned):

@@ -27,6 +27,12 @@ Per block call ``fn(args, extra)``:
     retries).  Only the first call of each block signature keeps a copy of img/txt, so a failure
     after an in-place update is undone; OOM is re-raised so ComfyUI's own OOM handling sees it.
 
+CUDA graphs (``cuda_graph`` auto): the whole forward through ``cuda_graph.GraphWrapper`` where it
+can be captured; where it cannot (DynamicVRAM, wrappers inside ours, ControlNet, masks ...) each
+block call goes through ``flux_core.block_graphs.BlockGraphs`` with the host's residency key
+(``host.block_residency``): replayed while its weights stay put, eager otherwise.  A re-executed
+patch node with the same model and options reuses its runner (``_REUSE``), graphs included.
+
 Pass-through: with no usable CUDA GPU / numba the node logs why and returns the clone unpatched,
 unless backend is "torch" (the A/B baseline) or FLUX_NUMBA_SIMULATOR_OK=1 (CPU tests).
 ``model_options["transformer_options"]["flux_numba"]`` describes what was done (for the step timer).
@@ -42,7 +48,8 @@ from typing import Optional
 
 import torch
 
-from .host import (ComfyWeights, attention_override, block_problem, block_residency, call_problem, default_sdpa_attention,
+from .host import (ComfyWeights, attention_override, block_problem, block_residency, call_problem, capture_headroom,
+                   default_sdpa_attention,
                    dynamic_block, fp8_stored_block, flux_attention, release_pins, resolve_block, staged_block,
                    weight_epoch)
 
@@ -421,7 +428,8 @@ class _Runner:
                 {"img": img, "vec": vec, "pe": pe, "mask": mask}
             out = self.graphs.call((hit[4], sig), kind, wkey, inputs, core, eager,
                                    outputs=("img", "txt") if kind == "double" else ("img",),
-                                   prepare=lambda: staged_block(blk, img.device, hit[2] and self.stage_blocks))
+                                   prepare=lambda: staged_block(blk, img.device, hit[2] and self.stage_blocks),
+                                   can_capture=lambda: capture_headroom(pins, img.device))
         finally:
             release_pins(pins)
         if why is not None:
@@ -550,10 +558,12 @@ class FluxNumbaPatch:
                                    "torch: every op on its torch reference (faithful A/B baseline, also on CPU). "
                                    "numba: force the Numba kernels."}),
             "cuda_graph": (CUDA_GRAPHS, {"default": "auto", "tooltip":
-                                         "auto: capture the whole FLUX forward as a CUDA graph once per shape and "
-                                         "replay it every step (removes launch overhead; off automatically with "
-                                         "low-VRAM offloading, ControlNet, reference latents or masks -- the log "
-                                         "says why). Costs ~one step of activation memory per captured shape."}),
+                                         "auto: replay the FLUX forward as CUDA graphs (removes launch and host "
+                                         "overhead): the whole step where possible, else each block on its own "
+                                         "while its weights are resident (DynamicVRAM, EasyCache, ControlNet, masks, "
+                                         "partial offload); blocks with streamed weights run eagerly; the log says "
+                                         "why. Holds activation buffers per image size until the model is unloaded. "
+                                         "off: every step eager."}),
         },
             "hidden": {"unique_id": "UNIQUE_ID"}}
 

@@ -742,3 +742,88 @@ def test_block_graphs_off_where_another_node_wraps_the_blocks(comfy, monkeypatch
     counts = patch_stats(pm)["block_graphs"]
     n_single = len(mp.model.diffusion_model.single_blocks)
     assert counts["capture"] == n_single, counts  # only the unwrapped single blocks
+
+
+class _FakeVbar:
+    """comfy-aimdo's ModelVBAR as the host sees it: page signatures per fault, a budget, a pin count."""
+    def __init__(self, pages=8, watermark=8):
+        self.offset, self.wm, self.pins, self.gen, self.full = pages * (32 << 20), watermark, 0, 0, False
+
+    def get_watermark(self):
+        return self.wm
+
+
+class _FakeModelVbar:
+    def __init__(self):
+        self.unpinned = []
+
+    def vbar_fault(self, alloc):
+        vb, off, size = alloc
+        if vb.full:
+            return None
+        vb.pins += 1
+        return bytes([vb.gen, off % 251])
+
+    def vbar_unpin(self, alloc):
+        alloc[0].pins -= 1
+        self.unpinned.append(alloc)
+
+    def vbar_signature_compare(self, a, b):
+        return a is not None and b is not None and a == b
+
+
+def test_block_residency_faults_each_dynamic_module_and_compares_signatures(monkeypatch):
+    """DynamicVRAM modules are faulted one by one (the block's ``_v_block`` instead where ComfyUI set
+    one), every fault is unpinned by ``release_pins``; the key changes when a page is re-faulted
+    (eviction), is None when a fault finds no room, and weight functions / offloaded parameters
+    make the block ungraphable."""
+    from flux_numba_pack.nodes import host
+    fake = _FakeModelVbar()
+    monkeypatch.setattr(host, "_model_vbar", lambda: fake)
+    vb = _FakeVbar()
+    blk = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    for i, m in enumerate(blk[:2]):
+        m._v = (vb, 1024 * (i + 1), 4096)
+    dev = torch.device("cuda", 0)
+    k1, why, pins = host.block_residency(blk, dev, "epoch")  # the LayerNorm's CPU weights: offloaded
+    assert k1 is None and "offloaded" in why and not pins
+    blk[2].weight, blk[2].bias = None, None
+    k1, why, pins = host.block_residency(blk, dev, "epoch")
+    assert why is None and len(pins) == 2 and vb.pins == 2
+    host.release_pins(pins)
+    assert vb.pins == 0
+    k2, _, pins = host.block_residency(blk, dev, "epoch")
+    host.release_pins(pins)
+    assert k1 == k2
+    vb.gen = 1  # pages evicted and faulted again: new signatures
+    k3, _, pins = host.block_residency(blk, dev, "epoch")
+    host.release_pins(pins)
+    assert k3 != k2
+    k4, _, pins = host.block_residency(blk, dev, "other epoch")  # a new LoRA set: a new key
+    host.release_pins(pins)
+    assert k4 != k3
+    vb.full = True
+    k5, why, pins = host.block_residency(blk, dev, "epoch")
+    assert k5 is None and "not resident" in why and vb.pins == 0
+    vb.full = False
+    blk._v_block = (vb, 0, 8192)   # ComfyUI made the block a DynamicVRAM unit: one fault for it
+    _, _, pins = host.block_residency(blk, dev, "epoch")
+    assert pins == (blk._v_block,)
+    host.release_pins(pins)
+    blk[0].weight_function = [lambda w: w]
+    k6, why, pins = host.block_residency(blk, dev, "epoch")
+    assert k6 is None and "weight functions" in why and not pins
+
+
+def test_capture_headroom_refuses_streamed_weights_and_low_memory(monkeypatch):
+    from flux_numba_pack.nodes import host
+    dev = torch.device("cuda", 0)
+    vb = _FakeVbar(pages=8, watermark=6)
+    why = host.capture_headroom(((vb, 0, 1),), dev)
+    assert why and "budget holds 6 of the model's 8" in why
+    vb.wm = 8
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (1 << 30, 80 << 30))
+    assert "1.0 GB free" in host.capture_headroom(((vb, 0, 1),), dev)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (40 << 30, 80 << 30))
+    assert host.capture_headroom(((vb, 0, 1),), dev) is None
+    assert host.capture_headroom((), torch.device("cpu")) is None
