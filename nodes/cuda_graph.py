@@ -33,8 +33,9 @@ KEY = "flux_numba_cuda_graph"
 
 
 class GraphWrapper:
-    def __init__(self, max_graphs: int = 2):
+    def __init__(self, max_graphs: int = 2, stats: dict = None):
         self.max_graphs = max_graphs
+        self.stats = stats if stats is not None else {}  # whole_replays / whole_eager / whole_why (the step timer)
         self.gf = None
         self._logged = set()
         self.last_mode = None  # "graph" | "eager: <reason>"
@@ -58,6 +59,8 @@ class GraphWrapper:
             log.info("[flux_numba] whole-forward CUDA graph off for this call (per-block graphs where the "
                      "weights are resident): %s", why)
         self.last_mode = "eager: " + why
+        self.stats["whole_eager"] = self.stats.get("whole_eager", 0) + 1
+        self.stats["whole_why"] = "whole-step graph off: " + why
         with block_graphs.allowed():
             return executor(*args, **kwargs)
 
@@ -93,6 +96,7 @@ class GraphWrapper:
             return executor(xx, tt, cc, yy, gg, None, None, transformer_options, **kwargs)
         # the executor and transformer_options of *this* call are what a capture records
         self.gf.fn = fn
+        replays = self.gf.replays
         try:
             out = self.gf(x, timestep, context, *[v for v in (y, guidance) if v is not None], weights_key=wkey)
         except Exception as e:  # capture failed: never break sampling; not retried for this model
@@ -101,12 +105,21 @@ class GraphWrapper:
             self.gf = None
             self.failed = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
             return self._eager(self.failed, executor, *args, **kwargs)
-        self.last_mode = "graph"
+        if self.gf is not None and self.gf.replays > replays:
+            self.last_mode = "graph"
+            self.stats["whole_replays"] = self.stats.get("whole_replays", 0) + 1
+        else:
+            self.last_mode = "warm-up"
+            self.stats["whole_why"] = "whole-step graph warming up (eager steps before its capture)"
         return out
 
 
 def capture_problem(executor, transformer_options):
     """Why capturing the rest of this call is unsafe (see the module docstring), or None."""
+    from .host import compiler_recording
+    rec = compiler_recording()
+    if rec:
+        return rec
     wrappers = getattr(executor, "wrappers", None)
     idx = getattr(executor, "idx", None)
     if wrappers is None or idx is None:

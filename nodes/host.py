@@ -386,6 +386,36 @@ def flux_attention():
         return optimized_attention
 
 
+def block_attention(blk):
+    """The attention function the checkpoint chose for this block (ComfyUI 0.36+: the block's
+    ``comfy_attention`` module, filled from checkpoint metadata -- e.g. comfy-kitchen's int8 attention;
+    stock FLUX passes it to ComfyUI's attention as ``preferred_attention``), or None (none chosen, or
+    not available on this device: stock then runs its default attention too)."""
+    ca = getattr(blk, "comfy_attention", None) if blk is not None else None
+    fn = getattr(ca, "function", None)
+    return fn if callable(fn) else None
+
+
+def compiler_recording() -> Optional[str]:
+    """Why CUDA graphs of the pack must stand down now, or None: ComfyUI's model compiler (0.36+,
+    ``--disable-comfy-compiler`` turns it off) is recording this thread's allocations for the forward
+    (``comfy.model_prefetch``'s per-thread malloc-graph table; a capture of ours inside its recording
+    would allocate under it)."""
+    import sys
+    import threading
+    mp = sys.modules.get("comfy.model_prefetch")
+    if mp is None:
+        return None
+    tid = threading.get_ident()
+    for name in ("ACTIVE_MALLOC_GRAPHS", "MALLOC_GRAPHS"):
+        table = getattr(mp, name, None)
+        g = table.get(tid) if isinstance(table, dict) else None
+        if g is not None and getattr(g, "_comfy_active", True):
+            return ("ComfyUI's model compiler is recording this forward's allocations "
+                    "(--disable-comfy-compiler turns it off)")
+    return None
+
+
 def default_sdpa_attention() -> bool:
     """True when FLUX's attention is ComfyUI's plain PyTorch SDPA path (``attention_pytorch``: no
     --use-sage / --use-flash / xformers / split / sub-quadratic choice by the user).  That path only

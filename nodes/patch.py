@@ -48,8 +48,8 @@ from typing import Optional
 
 import torch
 
-from .host import (ComfyWeights, attention_override, block_problem, block_residency, call_problem, capture_headroom,
-                   default_sdpa_attention,
+from .host import (ComfyWeights, attention_override, block_attention, block_problem, block_residency, call_problem,
+                   capture_headroom, compiler_recording, default_sdpa_attention,
                    dynamic_block, fp8_stored_block, flux_attention, release_pins, resolve_block, staged_block,
                    weight_epoch)
 
@@ -292,7 +292,7 @@ class _Runner:
             self.logged.add(key)
             log.log(level, "[flux_numba] " + msg, *a)
 
-    def _attention(self, topts, sig):
+    def _attention(self, topts, sig, blk=None):
         """The BlockContext.attention callable for one block call (None: the registry's op)."""
         route = self.attn_route
         choice = self.attn_choice.get(sig) if route == "auto" else None
@@ -309,6 +309,16 @@ class _Runner:
                       "attention runs through ComfyUI's optimized_attention, which applies it (logged once)",
                       "optimized_attention_override")
             return comfy_attention
+        own = block_attention(blk)
+        if own is not None:  # the checkpoint chose this block's attention (ComfyUI 0.36+): honoured
+            self.note(("block attention",), logging.INFO, "the checkpoint sets per-block attention (%s): those "
+                      "blocks' attention runs it, as stock does (logged once)", getattr(own, "__name__", type(own).__name__))
+
+            def checkpoint_attention(q, k, v, mask):
+                registry.usage[(ATTENTION_OP, "checkpoint")] += 1
+                registry.last[ATTENTION_OP] = "checkpoint"
+                return own(q, k, v, q.shape[1], skip_reshape=True, mask=mask, transformer_options=topts)
+            return checkpoint_attention
         if route == "comfy" or (choice in SDPA_BACKENDS and not self.sdpa_direct()):
             return comfy_attention
         if route == "registry" or choice is not None:
@@ -378,8 +388,13 @@ class _Runner:
         # per-block CUDA graphs: the whole-forward graph is not running this call (block_graphs.allowed),
         # and no other node's block replacement wraps ours (it may keep our outputs across calls)
         use_graph = self.graphs is not None and not wrapped and self._graphs_mod.is_allowed() and not _graph_probe()
+        if use_graph:
+            rec = compiler_recording()
+            if rec:  # ComfyUI's own compiler records this forward's allocations: the pack's graphs stand down
+                self.note(("compiler",), logging.INFO, "per-block CUDA graphs stand down: %s", rec)
+                use_graph = False
         epoch = weight_epoch(self.model_ref() if self.model_ref is not None else None)
-        attention = self._attention(topts, sig)
+        attention = self._attention(topts, sig, blk)
         fp8 = None
         if self.fast:
             fp8 = self.fp8_cache(img.device)
@@ -647,7 +662,8 @@ class FluxNumbaPatch:
             from .cuda_graph import install
             from .host import drop_on_unload
             if runner.whole is None:
-                runner.whole = install(m)
+                from .cuda_graph import GraphWrapper
+                runner.whole = install(m, GraphWrapper(stats=runner.stats))
                 runner.enable_block_graphs(BLOCK_CAPTURE)
             else:
                 install(m, runner.whole)

@@ -39,36 +39,74 @@ def backends_text(backends: Dict[str, Dict[str, int]]) -> str:
     return ", ".join(parts)
 
 
+def _model_state(r):
+    return r.get("model") or timer.model_state(r.get("patch"), r.get("backends"))
+
+
+def graphs_text(r) -> str:
+    g = r.get("graphs") or {}
+    n = len(r.get("steps") or [])
+    if not n or not any(g.get(k) for k in ("all", "some", "none")):
+        return "-"
+    return f"all {g.get('all', 0)}/{n}" + (f", some {g['some']}" if g.get("some") else "") + \
+        (f", none {g['none']}" if g.get("none") else "")
+
+
 def table_text(runs: List[dict]) -> str:
-    """A plain-text table: one row per run, then backends, patch and profile lines."""
+    """A plain-text table: one row per run, then backends, patch, graph and profile lines.  A speed-up
+    against the 'stock' run is printed only for runs the pack actually ran ("patched")."""
     if not runs:
         return "FluxNumba timing: no timer runs recorded yet (is a FluxNumbaStepTimer before the sampler?)"
-    hdr = f"{'run':>4} {'label':<12} {'steps':>5} {'mean ms':>9} {'min ms':>9} {'max ms':>9} {'total ms':>10} {'it/s':>7}"
+    hdr = (f"{'run':>4} {'label':<12} {'steps':>5} {'mean ms':>9} {'min ms':>9} {'max ms':>9} {'total ms':>10} "
+           f"{'it/s':>7} {'model':<15} {'graphs':<14} {'host-bound':>10}")
     lines = [hdr, "-" * len(hdr)]
     for r in runs:
         s = r["summary"]
+        hb = (r.get("graphs") or {}).get("host_bound", 0)
         lines.append(f"{r['run']:>4} {str(r['label'])[:12]:<12} {s['steps']:>5} {_fmt(s['mean_ms']):>9} "
                      f"{_fmt(s['min_ms']):>9} {_fmt(s['max_ms']):>9} {_fmt(s['total_ms'], 1):>10} "
-                     f"{_fmt(s['its'], 3):>7}")
+                     f"{_fmt(s['its'], 3):>7} {_model_state(r)['state']:<15} {graphs_text(r):<14} {hb:>10}")
     lines.append("")
     for r in runs:
-        lines.append(f"run {r['run']} [{r['label']}] device {r.get('device')}; backends: {backends_text(r.get('backends'))}")
+        tag = f"run {r['run']} [{r['label']}]"
+        if r.get("error"):
+            lines.append(f"{tag} FAILED after {len(r.get('steps') or [])} steps: {r['error']}")
+        ms = _model_state(r)
+        if ms["state"] != "patched" and ms.get("why"):
+            lines.append(f"{tag} {ms['state']}: {ms['why']}")
+        lines.append(f"{tag} device {r.get('device')}; backends: {backends_text(r.get('backends'))}")
         if r.get("patch") is not None:
-            lines.append(f"run {r['run']} [{r['label']}] patch: {r['patch']}")
+            lines.append(f"{tag} patch: {r['patch']}")
+        whys = {}
+        for st in r.get("steps") or []:
+            g = st.get("graphs") or {}
+            if g.get("why") and g.get("state") != "all":
+                whys[g["why"]] = whys.get(g["why"], 0) + 1
+        for why, n in sorted(whys.items(), key=lambda kv: -kv[1])[:3]:
+            lines.append(f"{tag} {n} steps not (fully) replayed as CUDA graphs: {why}")
         prof = r.get("profile")
         if prof and "ms" in prof:
             split = ", ".join(f"{k} {v:.2f} ms" for k, v in prof["ms"].items())
             if prof.get("numba_ms"):
                 split += f" (all Numba kernels: {prof['numba_ms']:.2f} ms)"
-            lines.append(f"run {r['run']} [{r['label']}] profiled step {prof.get('step')} ({prof.get('source')}): {split}")
+            if prof.get("gpu_busy_pct") is not None:
+                split += f"; GPU busy {prof['gpu_busy_pct']:.0f}% of the step's wall time"
+            lines.append(f"{tag} profiled step {prof.get('step')} ({prof.get('source')}): {split}")
         if any(st.get("profiled") for st in r.get("steps", [])) and r["summary"]["steps"] < len(r["steps"]):
-            lines.append(f"run {r['run']} [{r['label']}] (the profiled step is left out of mean/it/s)")
-    base = next((r for r in runs if str(r["label"]).lower() == "stock" and r["summary"]["mean_ms"]), None)
+            lines.append(f"{tag} (the profiled step is left out of mean/it/s)")
+    base = next((r for r in runs if str(r["label"]).lower() == "stock" and r["summary"]["mean_ms"]
+                 and not r.get("error")), None)
     if base is not None:
         for r in runs:
-            if r is not base and r["summary"]["mean_ms"]:
+            if r is base or not r["summary"]["mean_ms"]:
+                continue
+            st = _model_state(r)["state"]
+            if st == "patched" and not r.get("error"):
                 lines.append(f"speed-up {r['label']} vs stock: {base['summary']['mean_ms'] / r['summary']['mean_ms']:.3f}x "
                              f"(mean step time)")
+            else:
+                lines.append(f"no speed-up for {r['label']} (run {r['run']}): "
+                             f"{'it failed' if r.get('error') else 'it was ' + st}")
     return "\n".join(lines)
 
 
@@ -100,20 +138,29 @@ def chart_array(runs: List[dict], width: int = 1024, height: int = 512):
             ms = [st["ms"] for st in r["steps"]]
             xs = [k + (i - (n - 1) / 2) * w for k in range(len(ms))]
             s = r["summary"]
+            state = _model_state(r)["state"]
             lab = (f"{r['label']} (run {r['run']}): mean {_fmt(s['mean_ms'])} ms, "
                    f"{_fmt(s['its'], 3)} it/s, total {_fmt(s['total_ms'], 1)} ms")
-            col = label_colour(r["label"])
+            if state in ("not patched", "partly patched") or (state == "stock" and str(r["label"]).lower() != "stock"):
+                lab += f" -- {state.upper()}"
+            if r.get("error"):
+                lab += " -- FAILED"
+            # a run the pack did not (fully) run is drawn grey and hatched whatever its label says
+            col = label_colour(r["label"]) if state in ("patched", "stock") else "#b0b0b0"
+            hatch = None if state in ("patched", "stock") else "//"
             # the profiled step (slow, left out of the mean) is drawn faded
             cols = [to_rgba(col, 0.35 if st.get("profiled") else 1.0) for st in r["steps"]]
-            ax.bar(xs, ms, width=w, color=cols, label=lab, edgecolor="none")
+            ax.bar(xs, ms, width=w, color=cols, label=lab, edgecolor="#606060" if hatch else "none",
+                   hatch=hatch, linewidth=0.5 if hatch else 0)
             if s["mean_ms"]:
-                ax.axhline(s["mean_ms"], color=label_colour(r["label"]), linestyle="--", linewidth=1)
+                ax.axhline(s["mean_ms"], color=col, linestyle="--", linewidth=1)
         from matplotlib.ticker import MaxNLocator
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers (no 0.5 ticks)
         ax.set_xlabel("sampling step (diffusion-model call)")
         ax.set_ylabel("ms")
         ax.set_title("FluxNumba step times")
-        ax.legend(loc="upper right", fontsize=8)
+        # the legend goes below the plot: inside it would cover the bars
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=1, frameon=False)
         ax.grid(axis="y", alpha=0.3)
     if axp is not None:
         prof_runs = [r for r in runs if r.get("profile") and "ms" in r["profile"]]

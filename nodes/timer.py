@@ -131,6 +131,8 @@ class Run:
         self.ended: Optional[float] = None
         self.steps: List[dict] = []
         self.profile: Optional[dict] = None
+        self.error: Optional[str] = None  # the sampler raised (the run ended without its steps)
+        self.fallbacks = 0  # blocks that ran ComfyUI's original block during this run (the pack's counters)
 
     @property
     def done(self):
@@ -147,10 +149,39 @@ class Run:
         return s
 
     def to_dict(self) -> dict:
+        backends = merge_backends(self.steps)
         return {"run": self.id, "node": self.node_id, "label": self.label, "patch": self.patch,
                 "device": self.device, "total_steps": self.total_steps, "started": self.started,
                 "ended": self.ended, "done": self.done, "steps": [dict(r) for r in self.steps],
-                "summary": self.summary(), "backends": merge_backends(self.steps), "profile": self.profile}
+                "summary": self.summary(), "backends": backends, "profile": self.profile, "error": self.error,
+                "model": model_state(self.patch, backends, self.fallbacks), "graphs": graphs_summary(self.steps)}
+
+
+def model_state(patch, backends=None, fallbacks=0) -> dict:
+    """What ran the run's steps: ``state`` "stock" (no FluxNumbaPatch before the timer), "not patched"
+    (the patch passed the model through: ``why``), "patched", or "partly patched" (some block calls ran
+    ComfyUI's original block, or no pack op ran at all).  Only "patched" runs get a speed-up line."""
+    if not isinstance(patch, dict):
+        return {"state": "stock", "why": "no FluxNumbaPatch before this timer"}
+    if not patch.get("active"):
+        return {"state": "not patched", "why": patch.get("reason") or "FluxNumbaPatch passed the model through"}
+    if fallbacks:
+        return {"state": "partly patched", "why": f"{fallbacks} block calls ran ComfyUI's original block (see the log)"}
+    if backends is not None and not backends:  # (None: not known yet, at the start of a run)
+        return {"state": "partly patched", "why": "no op of the pack ran during this run"}
+    return {"state": "patched", "why": None}
+
+
+def graphs_summary(steps) -> dict:
+    """How many steps replayed CUDA graphs for all / some / none of their blocks."""
+    out = {"all": 0, "some": 0, "none": 0, "host_bound": 0}
+    for r in steps:
+        g = r.get("graphs")
+        if g:
+            out[g["state"]] = out.get(g["state"], 0) + 1
+        if r.get("host_bound"):
+            out["host_bound"] += 1
+    return out
 
 
 def _store(run: Run):
@@ -303,12 +334,65 @@ def split_from_profiler(prof, on_cuda: bool, wall_ms: float) -> dict:
             numba_ms += ms
         top[ev.key] = top.get(ev.key, 0.0) + ms
     tracked = sum(cats.values())
+    busy = (100.0 * tracked / wall_ms) if on_cuda and wall_ms > 0 else None
     return {"source": "cuda kernels" if on_cuda else "cpu ops (self time)", "wall_ms": wall_ms,
+            "gpu_busy_pct": busy,
             "ms": cats, "numba_ms": numba_ms, "untracked_ms": max(0.0, wall_ms - tracked) if not on_cuda else None,
             "top": sorted(([k[:80], v] for k, v in top.items()), key=lambda kv: -kv[1])[:8]}
 
 
 # ---------------------------------------------------------------------------------------------- timing
+_GRAPH_KEYS = ("replay", "capture", "eager", "eager_not_resident", "eager_no_headroom", "failed")
+
+
+def _pack_stats(patch):
+    """The pack's live counters of this model's FluxNumbaPatch (nodes.patch.stats), or None."""
+    if not isinstance(patch, dict) or not patch.get("active") or patch.get("id") is None:
+        return None
+    try:
+        from .patch import stats
+        return stats(patch["id"])
+    except Exception:
+        return None
+
+
+def _graph_snapshot(st):
+    if not st:
+        return None
+    bg = st.get("block_graphs") or {}
+    return {"whole_replays": st.get("whole_replays", 0), "whole_eager": st.get("whole_eager", 0),
+            "fallbacks": st.get("fallbacks", 0), "misses": dict(st.get("block_graph_misses") or {}),
+            **{k: bg.get(k, 0) for k in _GRAPH_KEYS}}
+
+
+def graph_step(before, after, st) -> Optional[dict]:
+    """This step's CUDA-graph state from the pack's counters before / after it: ``state`` all (the
+    whole step, or every block, replayed) / some / none, ``blocks`` replayed of called, ``why`` for
+    the blocks that did not replay."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in after if k != "misses"}
+    if d["whole_replays"] > 0:
+        return {"state": "all", "mode": "whole step", "why": None}
+    replayed = d["replay"] + d["capture"]
+    eager = d["eager"] + d["eager_not_resident"] + d["eager_no_headroom"] + d["failed"]
+    why = None
+    if d["eager_not_resident"]:
+        new = {k: v - before["misses"].get(k, 0) for k, v in after["misses"].items()}
+        why = max(new, key=new.get) if new and max(new.values()) > 0 else "weights not resident"
+    elif d["eager_no_headroom"]:
+        why = "no capture under memory pressure (the log says why)"
+    elif d["failed"]:
+        why = "a capture failed (the log says why)"
+    elif d["eager"]:
+        why = "warming up (first call of a block, or its weights changed)"
+    if replayed + eager == 0:
+        why = st.get("whole_why") or "CUDA graphs off (cuda_graph off)"
+        return {"state": "none", "mode": "eager", "blocks": [0, 0], "why": why}
+    state = "all" if eager == 0 else "some" if replayed else "none"
+    return {"state": state, "mode": "blocks", "blocks": [replayed, replayed + eager], "why": why}
+
+
 def _usage_snapshot():
     try:
         from ..cuda_kernels.registry import registry
@@ -359,6 +443,7 @@ class StepTimer:
         self.run: Optional[Run] = None
         self._pending: List[tuple] = []  # (record, start_event, end_event) awaiting the GPU
         self._profiled = False
+        self._fallbacks0 = None
 
     # -- run lifetime ---------------------------------------------------------------------------
     def begin(self, total_steps=None, device="cpu", patch=None):
@@ -367,20 +452,32 @@ class StepTimer:
         self.run = Run(self.node_id, self.label, jsonable(patch if patch is not None else self.patch), device,
                        total_steps)
         self._profiled = False
+        st = _pack_stats(self.run.patch)
+        self._fallbacks0 = st.get("fallbacks", 0) if st is not None else None
         _store(self.run)
         send(EVENT_RUN, {"phase": "start", "node": self.node_id, "run": self.run.id, "label": self.label,
-                         "total_steps": total_steps, "device": device, "patch": self.run.patch})
+                         "total_steps": total_steps, "device": device, "patch": self.run.patch,
+                         "model": model_state(self.run.patch)})
         return self.run
 
-    def end(self):
+    def end(self, error: Optional[str] = None):
         run = self.run
         if run is None or run.done:
             return
-        self._flush(block=True)
+        try:
+            self._flush(block=True)
+        except Exception as e:  # a failed run may have left the device in an error state
+            error = error or f"{type(e).__name__}: {e}"
+            self._pending.clear()
         run.ended = time.time()
+        run.error = error
+        st = _pack_stats(run.patch)
+        if st is not None and self._fallbacks0 is not None:
+            run.fallbacks = max(0, st.get("fallbacks", 0) - self._fallbacks0)
+        d = run.to_dict()
         send(EVENT_RUN, {"phase": "end", "node": self.node_id, "run": run.id, "label": self.label,
-                         "summary": run.summary(), "backends": merge_backends(run.steps),
-                         "profile": run.profile, "patch": run.patch})
+                         "summary": d["summary"], "backends": d["backends"], "profile": run.profile,
+                         "patch": run.patch, "error": error, "model": d["model"], "graphs": d["graphs"]})
 
     # -- records --------------------------------------------------------------------------------
     def _emit(self, rec: dict):
@@ -400,6 +497,9 @@ class StepTimer:
                 return
             ev1.synchronize()
             rec["ms"] = float(ev0.elapsed_time(ev1))
+            # host-bound: the GPU's span of the step is no longer than the host's time to issue it, so
+            # the GPU waited for the host (a GPU-bound step's span is longer: the host ran ahead)
+            rec["host_bound"] = rec.get("host_ms") is not None and rec["host_ms"] >= 0.9 * rec["ms"]
             self._pending.pop(0)
             self._emit(rec)
 
@@ -423,9 +523,12 @@ class StepTimer:
             pass
         self.begin(total, dev, patch)
         try:
-            return executor(*args, **kwargs)
-        finally:
-            self.end()
+            out = executor(*args, **kwargs)
+        except BaseException as e:
+            self.end(error=f"{type(e).__name__}: {str(e)[:300]}")
+            raise
+        self.end()
+        return out
 
     def apply_model_wrapper(self, executor, x, t, c_concat=None, c_crossattn=None, control=None,
                             transformer_options={}, **kwargs):
@@ -449,6 +552,8 @@ class StepTimer:
         call = lambda: executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
 
         before = _usage_snapshot()
+        st = _pack_stats(self.run.patch)
+        g0 = _graph_snapshot(st)
         if profile_now:
             out = self._profiled_call(call, x, on_cuda, rec)
         elif on_cuda:
@@ -456,10 +561,13 @@ class StepTimer:
             stream = torch.cuda.current_stream(x.device)
             ev0 = torch.cuda.Event(enable_timing=True)
             ev1 = torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
             ev0.record(stream)
             out = call()
             ev1.record(stream)
+            rec["host_ms"] = (time.perf_counter() - t0) * 1000.0
             rec["backends"] = _usage_diff(before, _usage_snapshot())
+            rec["graphs"] = graph_step(g0, _graph_snapshot(st), st)
             self._pending.append((rec, ev0, ev1))
             return out
         else:
@@ -467,6 +575,7 @@ class StepTimer:
             out = call()
             rec["ms"] = (time.perf_counter() - t0) * 1000.0
         rec["backends"] = _usage_diff(before, _usage_snapshot())
+        rec["graphs"] = graph_step(g0, _graph_snapshot(st), st)
         self._emit(rec)
         return out
 

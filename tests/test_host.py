@@ -827,3 +827,65 @@ def test_capture_headroom_refuses_streamed_weights_and_low_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (40 << 30, 80 << 30))
     assert host.capture_headroom(((vb, 0, 1),), dev) is None
     assert host.capture_headroom((), torch.device("cpu")) is None
+
+
+def test_checkpoint_chosen_block_attention_is_honoured(comfy):
+    """ComfyUI 0.36+ gives each FLUX block a ``comfy_attention`` module that a checkpoint can fill
+    (e.g. int8 attention); a block with a chosen function runs it for its attention, as stock does."""
+    import types
+    import torch.nn.functional as F
+    mp = tiny_patcher(comfy)
+    inp = _inputs(torch.float32)
+    ref = forward(mp, inp)
+    calls = []
+
+    def own(q, k, v, heads, skip_reshape=False, mask=None, transformer_options=None, **kw):
+        calls.append(tuple(q.shape))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return o.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+    pm, = Patch().patch(mp, backend="torch")
+    dm = pm.model.diffusion_model
+    blocks = list(dm.double_blocks) + list(dm.single_blocks)
+    try:
+        for blk in blocks:
+            blk.comfy_attention = types.SimpleNamespace(function=own)
+        got = forward(pm, inp)
+    finally:
+        for blk in blocks:
+            del blk.comfy_attention
+    assert len(calls) == N_BLOCKS
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), rel_err(got, ref)
+    assert patch_stats(pm)["fallbacks"] == 0
+
+
+def test_graphs_stand_down_while_comfys_compiler_records(comfy, monkeypatch, caplog):
+    """ComfyUI 0.36+'s model compiler records a forward's allocations per thread; while it does, the
+    pack captures no CUDA graph (whole-forward or per-block) and says so once."""
+    import sys
+    import threading
+    import types
+    import flux_numba_pack.nodes.patch as patch_mod
+    from flux_numba_pack.nodes import host
+    from test_block_graphs import Recorder
+    fake = types.SimpleNamespace(ACTIVE_MALLOC_GRAPHS={})
+    real = sys.modules.get("comfy.model_prefetch")
+    if real is not None:
+        monkeypatch.setattr(real, "ACTIVE_MALLOC_GRAPHS", fake.ACTIVE_MALLOC_GRAPHS, raising=False)
+    else:
+        monkeypatch.setitem(sys.modules, "comfy.model_prefetch", fake)
+    assert host.compiler_recording() is None
+    rec = Recorder()
+    monkeypatch.setattr(patch_mod, "block_residency", lambda blk, device, epoch: (("r", id(blk)), None, ()))
+    monkeypatch.setattr(patch_mod, "BLOCK_CAPTURE", rec)
+    mp = tiny_patcher(comfy, torch.float32)
+    pm, = Patch().patch(mp, backend="torch", cuda_graph="auto")
+    latent = torch.zeros(1, 16, *TINY_LATENT[1:])
+    fake.ACTIVE_MALLOC_GRAPHS[threading.get_ident()] = object()
+    with caplog.at_level(logging.INFO, logger="flux_numba"):
+        got = _sample(pm, latent, steps=4)
+    assert "model compiler is recording" in caplog.text
+    assert not rec.graphs and patch_stats(pm)["block_graphs"]["capture"] == 0
+    assert torch.allclose(got, _sample(mp, latent, steps=4), rtol=1e-5, atol=1e-5)
+    fake.ACTIVE_MALLOC_GRAPHS.clear()
+    _sample(pm, latent, steps=4)
+    assert rec.graphs, "once the recording is over the block graphs come back"

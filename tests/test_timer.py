@@ -212,11 +212,23 @@ def test_select_runs(fake_comfy, sent):
 
 
 # ------------------------------------------------------------------------------------------ report
-def test_report_text_and_image(fake_comfy, sent):
+def _patched_model(active=True, reason=None, patch_id=None):
+    return FakePatcher({"transformer_options": {"flux_numba": {"profile": "exact", "active": active, "reason": reason,
+                                                              "id": patch_id}}})
+
+
+def _op_step(op):
+    def per_step(x):
+        with registry.force("numba"):
+            registry.call(op, x)
+    return per_step
+
+
+def test_report_text_and_image(fake_comfy, sent, test_op):
     (a,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="stock", unique_id="1")
-    (b,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="patched", unique_id="2")
+    (b,) = timer.FluxNumbaStepTimer().apply(_patched_model(), label="patched", unique_id="2")
     run_sampler(a, 4)
-    run_sampler(b, 4)
+    run_sampler(b, 4, per_step=_op_step(test_op))
     latent = {"samples": torch.randn(1, 4, 8, 8)}
     out = report.FluxNumbaTimingReport().report(latent, "last", width=640, height=320)
     img, text, lat = out["result"]
@@ -347,3 +359,68 @@ def test_schema(node_id):
     src = inspect.getsource(mod)
     top = [ln for ln in src.splitlines() if ln.startswith(("import comfy", "from comfy", "import server", "from server"))]
     assert not top, top
+
+
+def test_run_not_patched_says_so_and_gets_no_speed_up(fake_comfy, sent, test_op):
+    """A patch that passed the model through (no GPU, not FLUX ...) is reported as such: no speed-up
+    line, grey hatched bars and NOT PATCHED in the legend, whatever its label says."""
+    (a,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="stock", unique_id="1")
+    (b,) = timer.FluxNumbaStepTimer().apply(_patched_model(False, "no CUDA GPU visible to torch"), label="patched",
+                                            unique_id="2")
+    (c,) = timer.FluxNumbaStepTimer().apply(_patched_model(), label="nothing ran", unique_id="3")
+    run_sampler(a, 3)
+    run_sampler(b, 3)
+    run_sampler(c, 3)
+    runs = timer.select_runs("last")
+    states = {r["label"]: r["model"]["state"] for r in runs}
+    assert states == {"stock": "stock", "patched": "not patched", "nothing ran": "partly patched"}, states
+    text = report.table_text(runs)
+    assert " vs stock:" not in text
+    assert "no speed-up for patched" in text and "not patched: no CUDA GPU visible to torch" in text
+    assert "no op of the pack ran" in text
+    img = report.chart_array(runs, 640, 320)
+    px = (img * 255).round().astype(int)
+    orange = np.array([int(report.label_colour("patched")[i:i + 2], 16) for i in (1, 3, 5)])
+    assert (np.abs(px - orange).sum(-1) <= 6).sum() == 0, "a run that was not patched must not be drawn as patched"
+    end = [d for e, d in sent if e == timer.EVENT_RUN and d["phase"] == "end"]
+    assert [d["model"]["state"] for d in end] == ["stock", "not patched", "partly patched"]
+
+
+def test_failed_run_is_marked(fake_comfy, sent):
+    (a,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="stock", unique_id="1")
+
+    def boom(x):
+        if boom.n == 2:
+            raise RuntimeError("CUDA out of memory (test)")
+        boom.n += 1
+    boom.n = 0
+    with pytest.raises(RuntimeError):
+        run_sampler(a, 4, per_step=boom)
+    run = timer.last_run(node_id="1")
+    assert run["done"] and "out of memory" in run["error"] and len(run["steps"]) == 2
+    assert sent[-1][1]["phase"] == "end" and "out of memory" in sent[-1][1]["error"]
+    assert "FAILED after 2 steps" in report.table_text([run])
+
+
+def test_graph_state_per_step_from_the_packs_counters(monkeypatch):
+    """Each step's CUDA-graph state comes from the pack's counters around the step."""
+    from collections import Counter
+    st = {"block_graphs": Counter(), "block_graph_misses": {}, "fallbacks": 0}
+    g0 = timer._graph_snapshot(st)
+    st["block_graphs"].update(replay=50, capture=7)
+    assert timer.graph_step(g0, timer._graph_snapshot(st), st) == {"state": "all", "mode": "blocks", "blocks": [57, 57],
+                                                                 "why": None}
+    g1 = timer._graph_snapshot(st)
+    st["block_graphs"].update(replay=40, eager_not_resident=17)
+    st["block_graph_misses"]["weights not resident (DynamicVRAM streams them)"] = 17
+    g = timer.graph_step(g1, timer._graph_snapshot(st), st)
+    assert g["state"] == "some" and g["blocks"] == [40, 57] and "not resident" in g["why"]
+    g2 = timer._graph_snapshot(st)
+    st["whole_replays"] = 1
+    assert timer.graph_step(g2, timer._graph_snapshot(st), st)["mode"] == "whole step"
+    g3 = timer._graph_snapshot(st)
+    st["whole_why"] = "whole-step graph off: attention mask"
+    g = timer.graph_step(g3, timer._graph_snapshot(st), st)
+    assert g["state"] == "none" and "attention mask" in g["why"]
+    assert timer.graphs_summary([{"graphs": {"state": "all"}}, {"graphs": {"state": "some"}, "host_bound": True}]) == \
+        {"all": 1, "some": 1, "none": 0, "host_bound": 1}

@@ -180,3 +180,18 @@ def test_pack_node_widgets(path):
         assert set(api[str(n["id"])]["inputs"]) >= {nm for nm in required if nm is not CONTROL}
     if os.path.abspath(path) == MAIN:
         assert seen >= 3
+
+
+def test_every_template_has_a_thumbnail():
+    """ComfyUI's template browser asks for <name>.jpg beside each example workflow
+    (tests/workflow_thumbnails.py draws them from the workflow's own graph)."""
+    import glob
+    from PIL import Image
+    folder = os.path.join(ROOT, "example_workflows")
+    jsons = sorted(glob.glob(os.path.join(folder, "*.json")))
+    assert jsons
+    for path in jsons:
+        thumb = path[:-5] + ".jpg"
+        assert os.path.exists(thumb), f"{os.path.basename(thumb)} missing: run python tests/workflow_thumbnails.py"
+        with Image.open(thumb) as im:
+            assert im.format == "JPEG" and im.size[0] >= 256 and im.size[1] >= 192, (thumb, im.format, im.size)

@@ -30,6 +30,36 @@ function labelColour(label) {
   return PALETTE[s % PALETTE.length];
 }
 
+// a series the pack did not (fully) run is drawn grey and hatched whatever its label says (the state
+// comes from the server: nodes/timer.py model_state)
+const drawnAsIs = (s) => !s.model || s.model.state === "patched" || s.model.state === "stock";
+const seriesColour = (s) => (drawnAsIs(s) ? labelColour(s.label) : "#b0b0b0");
+const GRAPH_COLOURS = { all: "#19a979", some: "#f4c20d", none: "#ed4a7b" };
+
+// every timer chart on the page shares one y-scale, so two charts compare at a glance
+function timerNodes() {
+  const out = [];
+  const walk = (g) => {
+    for (const n of g?._nodes ?? g?.nodes ?? []) if (n.comfyClass === TIMER) out.push(n);
+    for (const sg of g?.subgraphs?.values?.() ?? []) walk(sg);
+  };
+  walk(app.graph);
+  return out;
+}
+
+function globalMaxMs() {
+  let m = 0;
+  for (const n of timerNodes()) {
+    const st = n.properties?.[PROP];
+    for (const s of Object.values(st?.series ?? {})) for (const p of s.steps ?? []) m = Math.max(m, p.ms || 0);
+  }
+  return m;
+}
+
+function redrawAll() {
+  for (const n of timerNodes()) redraw(n);
+}
+
 const fmt = (v, nd = 2) => (v === null || v === undefined || !isFinite(v) ? "-" : Number(v).toFixed(nd));
 
 function findNode(id) {
@@ -62,6 +92,7 @@ function seriesFor(node, d) {
     s = st.series[label] = {
       run: d.run, label, total_steps: d.total_steps ?? null, device: d.device ?? null,
       patch: d.patch ?? null, steps: [], summary: null, backends: null, profile: null, done: false,
+      model: d.model ?? null, error: null, graphs: null,
     };
     st.order = st.order.filter((l) => l !== label);
     st.order.push(label);
@@ -79,14 +110,19 @@ function onRun(ev) {
     s.steps = [];
     s.done = false;
     s.summary = null;
+    s.error = null;
+    s.model = d.model ?? s.model;
   } else if (d.phase === "end") {
     s.done = true;
     s.summary = d.summary ?? s.summary;
     s.backends = d.backends ?? null;
     s.profile = d.profile ?? null;
+    s.error = d.error ?? null;
+    s.model = d.model ?? s.model;
+    s.graphs = d.graphs ?? null;
     if (d.patch !== undefined) s.patch = d.patch;
   }
-  redraw(node);
+  redrawAll();
   if (d.phase === "end") markChanged();
 }
 
@@ -105,10 +141,11 @@ function onStep(ev) {
   const node = findNode(d?.node);
   if (!node) return;
   const s = seriesFor(node, d);
-  s.steps.push({ index: d.index, step: d.step, ms: d.ms, sigma: d.sigma ?? null, profiled: !!d.profiled });
+  s.steps.push({ index: d.index, step: d.step, ms: d.ms, sigma: d.sigma ?? null, profiled: !!d.profiled,
+    graphs: d.graphs ?? null, host_ms: d.host_ms ?? null, host_bound: !!d.host_bound });
   s.summary = d.summary ?? s.summary;
   if (d.profile) s.profile = d.profile;
-  redraw(node);
+  redrawAll();
 }
 
 function svg(tag, attrs, parent) {
@@ -125,11 +162,16 @@ function redraw(node) {
   const labels = st.order.filter((l) => st.series[l]);
   const series = labels.map((l) => st.series[l]);
   const nSteps = Math.max(0, ...series.map((s) => s.steps.length));
-  const maxMs = Math.max(0, ...series.flatMap((s) => s.steps.map((p) => p.ms || 0)));
-  const W = 400, H = 150, padL = 38, padB = 16, padT = 6, padR = 4;
+  const maxMs = Math.max(0, globalMaxMs(), ...series.flatMap((s) => s.steps.map((p) => p.ms || 0)));
+  const W = 400, H = 150, padL = 38, padB = 24, padT = 6, padR = 4;
   const chart = ui.svg;
   chart.replaceChildren();
   svg("rect", { x: 0, y: 0, width: W, height: H, fill: "#1e1e1e" }, chart);
+  const defs = svg("defs", {}, chart);
+  const pat = svg("pattern", { id: `flux-numba-hatch-${node.id}`, width: 4, height: 4, patternUnits: "userSpaceOnUse",
+    patternTransform: "rotate(45)" }, defs);
+  svg("rect", { width: 4, height: 4, fill: "#b0b0b0" }, pat);
+  svg("line", { x1: 0, y1: 0, x2: 0, y2: 4, stroke: "#555", "stroke-width": 1.5 }, pat);
   let bars = 0;
   if (nSteps > 0 && maxMs > 0) {
     const plotW = W - padL - padR, plotH = H - padB - padT;
@@ -142,16 +184,29 @@ function redraw(node) {
       t.textContent = fmt(maxMs * frac, maxMs * frac >= 100 ? 0 : 1);
     }
     series.forEach((s, j) => {
-      const col = labelColour(s.label);
+      const col = seriesColour(s);
+      const fill = drawnAsIs(s) ? col : `url(#flux-numba-hatch-${node.id})`;
       s.steps.forEach((p, k) => {
         const h = Math.max(1, (plotH * (p.ms || 0)) / maxMs);
+        const x = padL + k * slot + slot * 0.075 + j * bw;
         const r = svg("rect", {
-          class: "flux-numba-bar", x: padL + k * slot + slot * 0.075 + j * bw, y: padT + plotH - h,
-          width: Math.max(1, bw - 0.5), height: h, fill: col, opacity: p.profiled ? 0.45 : 1,
-          "data-label": s.label, "data-step": p.step, "data-ms": p.ms,
+          class: "flux-numba-bar", x, y: padT + plotH - h,
+          width: Math.max(1, bw - 0.5), height: h, fill, opacity: p.profiled ? 0.45 : 1,
+          "data-label": s.label, "data-step": p.step, "data-ms": p.ms, "data-graphs": p.graphs?.state ?? "",
+          "data-host-bound": p.host_bound ? "1" : "0",
         }, chart);
         const tip = svg("title", {}, r);
-        tip.textContent = `${s.label} step ${p.step}: ${fmt(p.ms)} ms${p.profiled ? " (profiled)" : ""}`;
+        const g = p.graphs;
+        tip.textContent = `${s.label} step ${p.step}: ${fmt(p.ms)} ms${p.profiled ? " (profiled)" : ""}` +
+          (p.host_ms !== null && p.host_ms !== undefined ? `; host ${fmt(p.host_ms)} ms${p.host_bound ? " (host-bound)" : ""}` : "") +
+          (g ? `; CUDA graphs: ${g.state}${g.blocks ? ` (${g.blocks[0]}/${g.blocks[1]} blocks)` : g.mode ? ` (${g.mode})` : ""}` +
+            `${g.why ? " -- " + g.why : ""}` : "");
+        // under each bar: did the step replay graphs (green all / amber some / red none), and a red
+        // cap on a host-bound step (the GPU waited for the host)
+        if (g) svg("rect", { class: "flux-numba-graph", x, y: padT + plotH + 1, width: Math.max(1, bw - 0.5), height: 3,
+          fill: GRAPH_COLOURS[g.state] ?? "#666" }, chart);
+        if (p.host_bound) svg("rect", { class: "flux-numba-hostbound", x, y: padT + plotH - h, width: Math.max(1, bw - 0.5),
+          height: Math.min(2, h), fill: "#ed4a7b" }, chart);
         bars++;
       });
       const mean = s.summary?.mean_ms;
@@ -160,8 +215,14 @@ function redraw(node) {
         svg("line", { x1: padL, x2: W - padR, y1: y, y2: y, stroke: col, "stroke-dasharray": "4 3", "stroke-width": 1 }, chart);
       }
     });
-    const xl = svg("text", { x: W - padR, y: H - 3, "text-anchor": "end", "font-size": 9, fill: "#aaa" }, chart);
-    xl.textContent = `step (${nSteps})  ms/step`;
+    // step numbers: about eight ticks whatever the step count
+    const every = Math.max(1, Math.ceil(nSteps / 8));
+    for (let k = 0; k < nSteps; k += every) {
+      const tx = svg("text", { x: padL + (k + 0.5) * slot, y: H - 10, "text-anchor": "middle", "font-size": 8, fill: "#aaa" }, chart);
+      tx.textContent = String(k);
+    }
+    const xl = svg("text", { x: W - padR, y: H - 1, "text-anchor": "end", "font-size": 8, fill: "#aaa" }, chart);
+    xl.textContent = `step (${nSteps}), ms/step; under the bars: CUDA graphs all / some / none`;
   } else {
     const t = svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle", "font-size": 11, fill: "#aaa" }, chart);
     t.textContent = "step times appear here while sampling";
@@ -177,15 +238,34 @@ function redraw(node) {
     const row = document.createElement("div");
     row.className = "flux-numba-stats-row";
     row.dataset.label = s.label;
+    row.dataset.model = s.model?.state ?? "";
+    row.dataset.failed = s.error ? "1" : "0";
     const sw = document.createElement("span");
-    sw.style.cssText = `display:inline-block;width:9px;height:9px;margin-right:4px;background:${labelColour(s.label)}`;
+    sw.style.cssText = `display:inline-block;width:9px;height:9px;margin-right:4px;background:${seriesColour(s)}`;
     row.appendChild(sw);
     const txt = document.createElement("span");
+    const status = s.error ? ", FAILED" : s.done ? "" : ", running";
     txt.textContent =
-      `${s.label} (run ${s.run}${s.done ? "" : ", running"}): ${m.steps ?? s.steps.length}` +
+      `${s.label} (run ${s.run}${status}): ${m.steps ?? s.steps.length}` +
       `${s.total_steps ? "/" + s.total_steps : ""} steps, mean ${fmt(m.mean_ms)} ms ` +
       `(min ${fmt(m.min_ms)} / max ${fmt(m.max_ms)}), total ${fmt(m.total_ms, 1)} ms, ${fmt(m.its, 3)} it/s`;
     row.appendChild(txt);
+    const notes = [];
+    if (s.model && !drawnAsIs(s)) notes.push(`${s.model.state.toUpperCase()}: ${s.model.why ?? ""}`);
+    if (s.error) notes.push(`failed: ${s.error}`);
+    const gs = s.steps.map((p) => p.graphs?.state).filter(Boolean);
+    if (gs.length) {
+      const hb = s.steps.filter((p) => p.host_bound).length;
+      notes.push(`CUDA graphs: all ${gs.filter((x) => x === "all").length}/${s.steps.length} steps` +
+        (hb ? `, ${hb} host-bound` : ""));
+    }
+    for (const n of notes) {
+      const p = document.createElement("div");
+      p.className = "flux-numba-note";
+      p.style.cssText = `padding-left:13px;${n.startsWith("failed") || n.startsWith("NOT") ? "color:#ed4a7b" : "opacity:.8"}`;
+      p.textContent = n;
+      row.appendChild(p);
+    }
     if (s.profile && s.profile.ms) {
       const p = document.createElement("div");
       p.style.cssText = "opacity:.8;padding-left:13px";
