@@ -400,7 +400,7 @@ def run_prompt(url, prompt, timeout):
 
 def split_flags(flags, env):
     """A flag set's leading NAME=value tokens go into the server's environment (A/B runs of one
-    pack setting, e.g. "FLUX_NUMBA_BLOCK_STAGING=0"); the rest are main.py arguments."""
+    setting, e.g. "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"); the rest are main.py arguments."""
     argv, env = shlex.split(flags), dict(env)
     while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):
         k, v = argv.pop(0).split("=", 1)

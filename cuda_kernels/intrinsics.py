@@ -551,7 +551,7 @@ import torch  # noqa: E402
 _HALF = (torch.bfloat16, torch.float16)
 
 
-FORCE_VW1 = os.environ.get("FLUX_NUMBA_NO_V16") == "1"  # benchmarks: time the 8-byte variants
+FORCE_VW1 = False  # benchmarks set it to time the 8-byte variants
 
 
 def aligned16(*ws) -> bool:
@@ -597,8 +597,8 @@ class Launcher:
     data_ptr/shape/strides -- no ``as_cuda_array``, no argument typing -- and calls the same
     ``cuda.core`` launch numba itself uses, on ``runtime.stream()`` (CUDA-graph capturable).
     Any failure there disables the fast path (logged) and the ordinary numba launch
-    (``kernel[grid, block, stream](*arrays)``, also what the simulator uses) takes over.
-    ``FLUX_NUMBA_FAST_LAUNCH=0`` disables it.
+    (``kernel[grid, block, stream](*arrays)``, also what the simulator uses) takes over
+    (benchmarks compare the two by setting ``_FAST_OK``).
     """
 
     __slots__ = ("factory", "kernel", "_cfg", "_fast")
@@ -761,7 +761,7 @@ if SIMULATOR and NUMBA_OK:
         pass
 
 _FAST_OK = False
-if NUMBA_OK and not SIMULATOR and os.environ.get("FLUX_NUMBA_FAST_LAUNCH", "1") != "0":
+if NUMBA_OK and not SIMULATOR:
     try:
         from ctypes import c_float as _c_float
 

@@ -40,7 +40,6 @@ assuming 8.  Bytes: read x + write q = 3*L*C (+ 4 B/row): img 37.8 MB -> 10.2 us
 txt 4.7 MB -> 1.3 us, single 42.5 MB -> 11.5 us.  Not yet timed on a GPU (bench/gpu_fp8.py).
 """
 import functools
-import os
 
 import numpy as np
 import torch
@@ -293,9 +292,7 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0, FP8=0):
 # registers: 76 registers x 96 threads -> 8); 0 = the one-row kernel.  Measured on the H200
 # (run 11-29 #3, img rows): LN 20.0 us pipelined (8/SM) vs 20.9 one-row; the gated variant
 # pipelined (95 registers, 4-12 blocks/SM) 35.8-40.5 us vs 32.4 one-row: off.
-PIPE_BLOCKS = {0: 8, 1: 0}
-if os.environ.get("FLUX_NUMBA_PIPE_BLOCKS"):
-    PIPE_BLOCKS = {0: int(os.environ["FLUX_NUMBA_PIPE_BLOCKS"]), 1: int(os.environ["FLUX_NUMBA_PIPE_BLOCKS"])}
+PIPE_BLOCKS = {0: 8, 1: 0}  # (benchmarks and tests set other values)
 
 
 @functools.lru_cache(maxsize=16)
@@ -306,7 +303,7 @@ def _sms(index):
 # one-row kernel, per GATED: load shift/scale in the last pass instead of with x (88 -> 64
 # registers at 16-byte words: 10 rows in flight per SM instead of 7).  Measured (run #3, img):
 # LN 20.9 us late vs 23.4 with x; gated LN 33.3 late vs 32.4 with x -> late for LN only.
-LATE_VEC = {0: os.environ.get("FLUX_NUMBA_LATE_VEC", "1") == "1", 1: False}
+LATE_VEC = {0: True, 1: False}
 
 
 def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps, qsc=None):

@@ -141,7 +141,7 @@ class CudaCapture:
 class BlockGraphs:
     """Per-block graphs of one patched model (module docstring)."""
 
-    def __init__(self, capture_fn: Optional[Callable] = None, max_signatures: int = 2):
+    def __init__(self, capture_fn: Optional[Callable] = None, max_signatures: int = 4):
         self.capture_fn = capture_fn if capture_fn is not None else CudaCapture()  # one pool per model
         self.max_signatures = max(1, max_signatures)
         self.entries: Dict[tuple, _Entry] = {}

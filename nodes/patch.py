@@ -34,14 +34,14 @@ block call goes through ``flux_core.block_graphs.BlockGraphs`` with the host's r
 patch node with the same model and options reuses its runner (``_REUSE``), graphs included.
 
 Pass-through: with no usable CUDA GPU / numba the node logs why and returns the clone unpatched,
-unless backend is "torch" (the A/B baseline) or FLUX_NUMBA_SIMULATOR_OK=1 (CPU tests).
+unless backend is "torch" (the A/B baseline) or ``SIMULATOR_OK`` is set (CPU tests: the kernels in Numba's
+simulator).
 ``model_options["transformer_options"]["flux_numba"]`` describes what was done (for the step timer).
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import weakref
 from collections import OrderedDict
 from typing import Optional
@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from .host import (ComfyWeights, attention_override, block_attention, block_problem, block_residency, call_problem,
-                   capture_headroom, compiler_recording, default_sdpa_attention,
+                   capture_headroom, compiler_recording, default_sdpa_attention, flux_types,
                    dynamic_block, fp8_stored_block, flux_attention, release_pins, resolve_block, staged_block,
                    weight_epoch)
 
@@ -108,8 +108,13 @@ def runner_of(model_patcher):
     return _RUNNERS.get(info.get("id"))
 
 
+SIMULATOR_OK = False  # tests: run the pack's path with the kernels in Numba's CUDA simulator (no GPU)
+# DynamicVRAM: stage each fused block's weights at once through ComfyUI's block prefetch (False: A/B runs)
+STAGE_BLOCKS = True
+
+
 def _simulator_ok() -> bool:
-    return os.environ.get("FLUX_NUMBA_SIMULATOR_OK", "") == "1"
+    return bool(SIMULATOR_OK)
 
 
 def _pack():
@@ -203,8 +208,6 @@ class _Runner:
         self._fp8 = {}  # device -> flux_core.fast.Fp8Weights, or None where fp8 cannot run (logged)
         self.policy, self.attn_route = self._policy(options, registry)
         self.block_ok = {}  # id(block) -> (weakref(block), reason or None, DynamicVRAM weights?, fp8-stored weights?, serial)
-        # DynamicVRAM: stage each block's weights at once (host.staged_block); "0" only for A/B runs
-        self.stage_blocks = os.environ.get("FLUX_NUMBA_BLOCK_STAGING", "1") != "0"
         self.proven = set()  # input signatures that ran through our path once
         self.attn_choice = {}  # attention "auto": input signature -> backend the registry chose
         self._sdpa_direct = None  # see sdpa_direct()
@@ -443,7 +446,7 @@ class _Runner:
                 {"img": img, "vec": vec, "pe": pe, "mask": mask}
             out = self.graphs.call((hit[4], sig), kind, wkey, inputs, core, eager,
                                    outputs=("img", "txt") if kind == "double" else ("img",),
-                                   prepare=lambda: staged_block(blk, img.device, hit[2] and self.stage_blocks),
+                                   prepare=lambda: staged_block(blk, img.device, hit[2] and STAGE_BLOCKS),
                                    can_capture=lambda: capture_headroom(pins, img.device))
         finally:
             release_pins(pins)
@@ -460,7 +463,7 @@ class _Runner:
             backup = (img.clone(), None if txt is None else txt.clone())
         versions = (self.version(img), None if txt is None else self.version(txt))
         weights = ComfyWeights()
-        with staged_block(blk, img.device, hit[2] and self.stage_blocks):
+        with staged_block(blk, img.device, hit[2] and STAGE_BLOCKS):
             try:
                 out = run(self.silu_cache, weights, img, txt, vec, pe, mask)
             except Exception as e:
@@ -610,7 +613,7 @@ class FluxNumbaPatch:
         targets = []
         if why is None:
             try:
-                from comfy.ldm.flux.model import Flux
+                Flux = flux_types()[0]
                 if not isinstance(dm, Flux):
                     why = f"not a FLUX model ({type(dm).__name__})"
                 else:

@@ -94,6 +94,11 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
+def patch_mod():
+    import flux_numba_pack.nodes.patch as m
+    return m
+
+
 def Patch():
     from flux_numba_pack.nodes.patch import FluxNumbaPatch
     return FluxNumbaPatch()
@@ -180,7 +185,7 @@ def test_example_workflow_validates_in_comfyui(comfy_main):
 
 # ----------------------------------------------------------------------------- patch contract
 def test_clone_untouched_and_pass_through_without_gpu(comfy, monkeypatch, caplog):
-    monkeypatch.delenv("FLUX_NUMBA_SIMULATOR_OK", raising=False)
+    monkeypatch.setattr(patch_mod(), "SIMULATOR_OK", False)
     mp = tiny_patcher(comfy)
     before = repr(mp.model_options)
     with caplog.at_level(logging.WARNING, logger="flux_numba"):
@@ -223,7 +228,7 @@ def test_forward_numba_simulator(comfy, monkeypatch):
     Attention stays ComfyUI's ("sdpa"): the numba attention kernel takes ~15 s per call in the
     simulator (it has its own tests); its routing is checked with a spy below."""
     from flux_numba_pack.cuda_kernels import registry
-    monkeypatch.setenv("FLUX_NUMBA_SIMULATOR_OK", "1")
+    monkeypatch.setattr(patch_mod(), "SIMULATOR_OK", True)
     mp = tiny_patcher(comfy, torch.bfloat16)
     inp = _inputs(torch.bfloat16, B=1, hw=4, txt=3)
     ref = forward(mp, inp, inference=False)
@@ -242,7 +247,7 @@ def test_policies_do_not_leak_between_models(comfy, monkeypatch):
     """Two differently patched models: each block runs under its own model's policy only."""
     from flux_numba_pack.cuda_kernels import registry
     from flux_numba_pack.cuda_kernels.registry import Backend
-    monkeypatch.setenv("FLUX_NUMBA_SIMULATOR_OK", "1")
+    monkeypatch.setattr(patch_mod(), "SIMULATOR_OK", True)
     op = registry.ops["gelu_tanh"]
     calls = []
 
@@ -272,7 +277,7 @@ def test_attention_routing(comfy, monkeypatch, attention, backend, expect):
     """Which attention runs: a spy stands in for the (slow in the simulator) numba kernels."""
     from flux_numba_pack.cuda_kernels import registry
     from flux_numba_pack.cuda_kernels.registry import Backend
-    monkeypatch.setenv("FLUX_NUMBA_SIMULATOR_OK", "1")
+    monkeypatch.setattr(patch_mod(), "SIMULATOR_OK", True)
     monkeypatch.setattr(registry, "autotune", False)  # routing, not tuning: on a GPU the trial calls would count
     op = registry.ops["attention"]
     calls = []
@@ -393,7 +398,7 @@ def test_sampling_through_comfyui(comfy, monkeypatch):
     assert torch.equal(_sample(mp, latent, 3), stock), "the original model must still sample stock"
 
     # numba kernels (simulator on CPU): bf16 model, 1 step, tiny latent
-    monkeypatch.setenv("FLUX_NUMBA_SIMULATOR_OK", "1")
+    monkeypatch.setattr(patch_mod(), "SIMULATOR_OK", True)
     mb = tiny_patcher(comfy, torch.bfloat16)
     small = torch.zeros(1, 16, 4, 4)
     stock_b = _sample(mb, small, 1)
@@ -470,7 +475,7 @@ def test_cuda_graph_option(comfy, monkeypatch):
     it runs the step eagerly, says why, and the result is the unwrapped one. cuda_graph=off adds none."""
     import comfy.patcher_extension as pe
     from flux_numba_pack.nodes.cuda_graph import KEY
-    monkeypatch.setenv("FLUX_NUMBA_SIMULATOR_OK", "1")
+    monkeypatch.setattr(patch_mod(), "SIMULATOR_OK", True)
     mp = tiny_patcher(comfy)
     inp = _inputs(torch.float32)
     on, = Patch().patch(mp, backend="torch", cuda_graph="auto")
