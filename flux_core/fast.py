@@ -1,4 +1,4 @@
-"""The fast profile: FLUX blocks with their GEMMs in fp8 e4m3 (issue #13).
+"""The fast profile: FLUX blocks with their GEMMs in fp8 e4m3.
 
 Block GEMMs -- qkv, proj, MLP up / down, single-block linear1 / linear2 -- run as
 ``torch._scaled_mm`` (cuBLASLt) on fp8 e4m3 operands with row-wise scales: per-token activation
@@ -52,7 +52,7 @@ import torch
 from ..cuda_kernels import registry
 from ..cuda_kernels import fp8_format
 from ..cuda_kernels.runtime import tensor_version
-from . import blocks as _b
+from .context import block_linears, modulation, qk_parts, views_of  # noqa: F401 (block_linears: re-exported)
 
 FP8 = fp8_format.FP8
 
@@ -178,24 +178,17 @@ def _linear(lin, q, like, ctx):
     return out.view(B, L, -1)
 
 
-def block_linears(kind, blk):
-    if kind == "double":
-        return [blk.img_attn.qkv, blk.txt_attn.qkv, blk.img_attn.proj, blk.txt_attn.proj,
-                blk.img_mlp[0], blk.img_mlp[2], blk.txt_mlp[0], blk.txt_mlp[2]]
-    return [blk.linear1, blk.linear2]
-
-
 def double_block(blk, img, txt, vec, pe, mask, ctx):
     """The double block of ``blocks.double_block`` (fused order) with fp8 GEMMs."""
     H = blk.num_heads
     sv = ctx.silu(vec)
-    i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = _b.modulation(blk.img_mod, sv)
-    t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = _b.modulation(blk.txt_mod, sv)
+    i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = modulation(blk.img_mod, sv)
+    t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = modulation(blk.txt_mod, sv)
     eps = ctx.eps
     Lt = txt.shape[1]
     img_qkv = _linear(blk.img_attn.qkv, registry.call("ln_modulate_fp8", img, i_sh1, i_sc1, eps), img, ctx)
     txt_qkv = _linear(blk.txt_attn.qkv, registry.call("ln_modulate_fp8", txt, t_sh1, t_sc1, eps), txt, ctx)
-    parts, qk_eps = _b._qk_parts([(txt_qkv, blk.txt_attn), (img_qkv, blk.img_attn)], ctx)
+    parts, qk_eps = qk_parts([(txt_qkv, blk.txt_attn), (img_qkv, blk.img_attn)], ctx)
     q, k, v, q8 = ctx.qk_norm_rope(parts, pe, H, qk_eps)
     ctx.host.release()
     del img_qkv, txt_qkv, parts
@@ -219,14 +212,14 @@ def single_block(blk, x, vec, pe, mask, ctx):
     """The single block of ``blocks.single_block`` (fused order) with fp8 GEMMs."""
     H, C = blk.num_heads, blk.hidden_size
     sv = ctx.silu(vec)
-    sh, sc, g = _b.modulation(blk.modulation, sv)
+    sh, sc, g = modulation(blk.modulation, sv)
     lin1 = _linear(blk.linear1, registry.call("ln_modulate_fp8", x, sh, sc, ctx.eps), x, ctx)
     qkv, mlp = lin1[..., :3 * C], lin1[..., 3 * C:]
-    parts, qk_eps = _b._qk_parts([(qkv, blk)], ctx)
+    parts, qk_eps = qk_parts([(qkv, blk)], ctx)
     q, k, v, q8 = ctx.qk_norm_rope(parts, pe, H, qk_eps)
     ctx.host.release()
     del parts
-    if _b._views_of(lin1, q, k, v):  # torch qk_norm_rope: q/k/v view linear1's output
+    if views_of(lin1, q, k, v):  # torch qk_norm_rope: q/k/v view linear1's output
         a = ctx.attn(q, k, v, mask, pack=q8)
     else:  # the attention output over lin1's dead v columns, as the exact path does
         a = ctx.attn(q, k, v, mask, out=lin1[..., 2 * C:3 * C], pack=q8)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..cuda_kernels import registry
 from .blocks import BlockContext, double_block, single_block
+from .context import own_tensors
 from .checkpoint import FluxConfig, NotFluxError, expected_shapes, infer_config
 
 
@@ -35,6 +36,11 @@ class Linear(nn.Module):
         if b is not None and (b.dtype != x.dtype or b.device != x.device):
             b = b.to(device=x.device, dtype=x.dtype)
         return F.linear(x, w, b)
+
+    def plain_weights(self, x):
+        """(weight, bias) when forward is ``F.linear`` on them for x (no per-tensor fp8 scale, x's dtype
+        and device), else None (``context.plain_weights``)."""
+        return None if self.scale_weight is not None else own_tensors(self, x)
 
 
 class GELUTanh(nn.Module):

@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from ..flux_core.blocks import Weights
+from ..flux_core.context import Weights, own_tensors
 
 SUPPORTED_VERSIONS = ("0.8.0", "0.33.0")
 
@@ -223,7 +223,7 @@ class ComfyWeights(Weights):
         if not _plain_linear_op(lin):
             return None  # fp8 / quantized (QuantizedTensor) / scaled / custom op: only its forward knows the math
         if not _casts_per_call(lin):
-            return super().linear(lin, x)
+            return own_tensors(lin, x)  # F.linear on the module's own tensors: what the op's forward runs
         w, b = self._cast(lin, x)
         if not _is_tensor(w) or w.dtype != x.dtype \
                 or w.device != x.device or (b is not None and (b.dtype != x.dtype or b.device != x.device)):
@@ -278,7 +278,7 @@ class ComfyWeights(Weights):
         if not _plain_linear_op(lin):
             return False
         if not _casts_per_call(lin):
-            return super().linear_ok(lin, x)
+            return own_tensors(lin, x) is not None
         return True  # cast_bias_weight casts to the input's dtype and device
 
     def release(self):

@@ -261,6 +261,13 @@ def test_gemm_epilogue_path_matches_reference():
     lin.scale_weight = torch.tensor(1.0)
     assert plain_weights(lin, x.new_zeros(1, 128)) is None  # scaled fp8 storage: call the module
 
+    class HostOp(torch.nn.Linear):  # a host's op (casts / patches / dequantizes per call): call the module
+        def forward(self, x):
+            return super().forward(x)
+    hl = HostOp(128, 64)
+    assert plain_weights(hl, x.new_zeros(1, 128)) is None
+    assert plain_weights(torch.nn.Linear(128, 64), x.new_zeros(1, 128)) is not None
+
 
 def test_linear_gelu_reference_and_backend_check():
     from flux_numba_pack.cuda_kernels import linear_gelu
