@@ -10,4 +10,4 @@ from . import groupnorm_silu, groupnorm_silu_nhwc, upsample_nearest2x, bias_resi
 from . import linear_gelu  # noqa: F401
 from . import fp8_rows  # noqa: F401  (fp8_format: the fast profile's fp8 GEMM inputs)
 
-ops = registry
+from . import ops  # noqa: F401,E402  (one typed function per op)

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..cuda_kernels import registry
+from ..cuda_kernels import ops
 from . import fast
 from .context import (BlockContext, Weights, block_linears, check_block_inputs, modulation,  # noqa: F401 (re-exported)
                       plain_weights, qk_parts, views_of)
@@ -42,8 +42,8 @@ def double_block(blk, img, txt, vec, pe, mask=None, ctx: Optional[BlockContext] 
     eps = ctx.eps
     Lt = txt.shape[1]
 
-    img_qkv = blk.img_attn.qkv(registry.call("ln_modulate", img, i_sh1, i_sc1, eps))
-    txt_qkv = blk.txt_attn.qkv(registry.call("ln_modulate", txt, t_sh1, t_sc1, eps))
+    img_qkv = blk.img_attn.qkv(ops.ln_modulate(img, i_sh1, i_sc1, eps))
+    txt_qkv = blk.txt_attn.qkv(ops.ln_modulate(txt, t_sh1, t_sc1, eps))
     parts, qk_eps = qk_parts([(txt_qkv, blk.txt_attn), (img_qkv, blk.img_attn)], ctx)
     q, k, v, q8 = ctx.qk_norm_rope(parts, pe, H, qk_eps)
     ctx.host.release()  # the norm scales' last use is queued (a staging host frees them now, as its ops do)
@@ -53,15 +53,15 @@ def double_block(blk, img, txt, vec, pe, mask=None, ctx: Optional[BlockContext] 
     txt_attn, img_attn = attn[:, :Lt], attn[:, Lt:]
 
     if ctx.fused:
-        h = registry.call("gated_residual_ln_modulate", img, i_g1, blk.img_attn.proj(img_attn), i_sh2, i_sc2, eps)
-        registry.call("gated_residual", img, i_g2, _mlp(blk.img_mlp, h, ctx))
-        h = registry.call("gated_residual_ln_modulate", txt, t_g1, blk.txt_attn.proj(txt_attn), t_sh2, t_sc2, eps)
-        registry.call("gated_residual", txt, t_g2, _mlp(blk.txt_mlp, h, ctx))
+        h = ops.gated_residual_ln_modulate(img, i_g1, blk.img_attn.proj(img_attn), i_sh2, i_sc2, eps)
+        ops.gated_residual(img, i_g2, _mlp(blk.img_mlp, h, ctx))
+        h = ops.gated_residual_ln_modulate(txt, t_g1, blk.txt_attn.proj(txt_attn), t_sh2, t_sc2, eps)
+        ops.gated_residual(txt, t_g2, _mlp(blk.txt_mlp, h, ctx))
     else:
-        registry.call("gated_residual", img, i_g1, blk.img_attn.proj(img_attn))
-        registry.call("gated_residual", img, i_g2, _mlp(blk.img_mlp, registry.call("ln_modulate", img, i_sh2, i_sc2, eps)))
-        registry.call("gated_residual", txt, t_g1, blk.txt_attn.proj(txt_attn))
-        registry.call("gated_residual", txt, t_g2, _mlp(blk.txt_mlp, registry.call("ln_modulate", txt, t_sh2, t_sc2, eps)))
+        ops.gated_residual(img, i_g1, blk.img_attn.proj(img_attn))
+        ops.gated_residual(img, i_g2, _mlp(blk.img_mlp, ops.ln_modulate(img, i_sh2, i_sc2, eps)))
+        ops.gated_residual(txt, t_g1, blk.txt_attn.proj(txt_attn))
+        ops.gated_residual(txt, t_g2, _mlp(blk.txt_mlp, ops.ln_modulate(txt, t_sh2, t_sc2, eps)))
     if txt.dtype == torch.float16:
         txt = torch.nan_to_num(txt, nan=0.0, posinf=65504, neginf=-65504)
     return img, txt
@@ -71,10 +71,10 @@ def _mlp(mlp, x, ctx: Optional[BlockContext] = None):
     """Linear -> GELU(tanh) -> Linear, the GELU through the registry (or in the GEMM epilogue)."""
     pw = ctx.host.linear(mlp[0], x) if ctx is not None and ctx.gemm_epilogue else None
     if pw is not None:
-        h = registry.call("linear_gelu", x, pw[0], pw[1])
+        h = ops.linear_gelu(x, pw[0], pw[1])
         ctx.host.release()
         return mlp[2](h)
-    return mlp[2](registry.call("gelu_tanh", mlp[0](x)))
+    return mlp[2](ops.gelu_tanh(mlp[0](x)))
 
 
 def _linear_rows(lin, x, ctx):
@@ -111,7 +111,7 @@ def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None)
     sv = ctx.silu(vec)
     sh, sc, g = modulation(blk.modulation, sv)
     eps = ctx.eps
-    h = registry.call("ln_modulate", x, sh, sc, eps)
+    h = ops.ln_modulate(x, sh, sc, eps)
     lin1 = blk.linear1(h)
     del h
     qkv, mlp = lin1[..., :3 * C], lin1[..., 3 * C:]
@@ -127,7 +127,7 @@ def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None)
         buf = lin1[..., 2 * C:]
         ctx.attn(q, k, v, mask, out=buf[..., :C], pack=q8)
         del q, k, v, q8
-        registry.call("gelu_tanh", mlp, out=mlp)
+        ops.gelu_tanh(mlp, out=mlp)
         del qkv, mlp
         out = _linear_rows(blk.linear2, buf, ctx)
         del buf, lin1
@@ -136,14 +136,14 @@ def single_block(blk, x, vec, pe, mask=None, ctx: Optional[BlockContext] = None)
         buf = torch.empty((B, L, C + M), dtype=lin1.dtype, device=lin1.device)
         ctx.attn(q, k, v, mask, out=buf[..., :C], pack=q8)
         del q, k, v, q8
-        registry.call("gelu_tanh", mlp, out=buf[..., C:])
+        ops.gelu_tanh(mlp, out=buf[..., C:])
         del lin1, qkv, mlp
         out = blk.linear2(buf)
     else:
         attn = ctx.attn(q, k, v, mask, pack=q8)
         del q, k, v, q8
-        out = blk.linear2(torch.cat((attn, registry.call("gelu_tanh", mlp)), 2))
-    registry.call("gated_residual", x, g, out)
+        out = blk.linear2(torch.cat((attn, ops.gelu_tanh(mlp)), 2))
+    ops.gated_residual(x, g, out)
     if x.dtype == torch.float16:
         x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
     return x

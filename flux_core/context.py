@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..cuda_kernels import registry
+from ..cuda_kernels import ops
 from ..cuda_kernels import attention as _attention_op
 
 
@@ -117,20 +117,20 @@ class BlockContext:
         if self.wants_q8():
             qkv = parts[0][0]
             q8 = "qk" if _attention_op.int8_wants_k(qkv.device, qkv.shape[-1] // (3 * H)) else "q"
-            return registry.call("qk_norm_rope", parts, pe, H, eps, quant8=q8)
-        q, k, v = registry.call("qk_norm_rope", parts, pe, H, eps)
+            return ops.qk_norm_rope(parts, pe, H, eps, quant8=q8)
+        q, k, v = ops.qk_norm_rope(parts, pe, H, eps)
         return q, k, v, None
 
     def attn(self, q, k, v, mask, out=None, pack=None):
         if pack is not None:  # the 8-bit op's int8 hand-off (any other backend ignores it)
-            return registry.call("attention", q, k, v, mask, out=out, q8=pack)
+            return ops.attention(q, k, v, mask, out=out, q8=pack)
         if self.attention is not None:
             o = self.attention(q, k, v, mask)
             if out is not None:
                 out.copy_(o)
                 return out
             return o
-        return registry.call("attention", q, k, v, mask, out=out)
+        return ops.attention(q, k, v, mask, out=out)
 
     def silu(self, vec):
         """SiLU(vec) computed once per forward (the same vec object feeds every block of a step).

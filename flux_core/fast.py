@@ -49,7 +49,7 @@ from typing import Optional
 
 import torch
 
-from ..cuda_kernels import registry
+from ..cuda_kernels import ops
 from ..cuda_kernels import fp8_format
 from ..cuda_kernels.runtime import tensor_version
 from .context import block_linears, modulation, qk_parts, views_of  # noqa: F401 (block_linears: re-exported)
@@ -110,7 +110,7 @@ class Fp8Weights:
 
     def get(self, lin, w, b, epoch=None):
         if not self.keep:  # transient: the quantising rows kernel, one row per output channel
-            q, s = registry.call("quantize_fp8", w.detach())
+            q, s = ops.quantize_fp8(w.detach())
             return q, s.view(1, -1), b
         key = (epoch, w.data_ptr(), tensor_version(w), tuple(w.shape), w.dtype, w.device)
         hit = self._cache.get(id(lin))
@@ -186,8 +186,8 @@ def double_block(blk, img, txt, vec, pe, mask, ctx):
     t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = modulation(blk.txt_mod, sv)
     eps = ctx.eps
     Lt = txt.shape[1]
-    img_qkv = _linear(blk.img_attn.qkv, registry.call("ln_modulate_fp8", img, i_sh1, i_sc1, eps), img, ctx)
-    txt_qkv = _linear(blk.txt_attn.qkv, registry.call("ln_modulate_fp8", txt, t_sh1, t_sc1, eps), txt, ctx)
+    img_qkv = _linear(blk.img_attn.qkv, ops.ln_modulate_fp8(img, i_sh1, i_sc1, eps), img, ctx)
+    txt_qkv = _linear(blk.txt_attn.qkv, ops.ln_modulate_fp8(txt, t_sh1, t_sc1, eps), txt, ctx)
     parts, qk_eps = qk_parts([(txt_qkv, blk.txt_attn), (img_qkv, blk.img_attn)], ctx)
     q, k, v, q8 = ctx.qk_norm_rope(parts, pe, H, qk_eps)
     ctx.host.release()
@@ -197,14 +197,14 @@ def double_block(blk, img, txt, vec, pe, mask, ctx):
     for x, a, m, g1, sh2, sc2, g2 in ((img, attn[:, Lt:], blk.img_attn, i_g1, i_sh2, i_sc2, i_g2),
                                       (txt, attn[:, :Lt], blk.txt_attn, t_g1, t_sh2, t_sc2, t_g2)):
         mlp = blk.img_mlp if m is blk.img_attn else blk.txt_mlp
-        proj = _linear(m.proj, registry.call("quantize_fp8", a), x, ctx)
-        h = registry.call("gated_residual_ln_modulate_fp8", x, g1, proj, sh2, sc2, eps)
+        proj = _linear(m.proj, ops.quantize_fp8(a), x, ctx)
+        h = ops.gated_residual_ln_modulate_fp8(x, g1, proj, sh2, sc2, eps)
         del proj
         up = _linear(mlp[0], h, x, ctx)
         del h
-        down = _linear(mlp[2], registry.call("gelu_tanh_fp8", up), x, ctx)
+        down = _linear(mlp[2], ops.gelu_tanh_fp8(up), x, ctx)
         del up
-        registry.call("gated_residual", x, g2, down)
+        ops.gated_residual(x, g2, down)
     return img, txt
 
 
@@ -213,7 +213,7 @@ def single_block(blk, x, vec, pe, mask, ctx):
     H, C = blk.num_heads, blk.hidden_size
     sv = ctx.silu(vec)
     sh, sc, g = modulation(blk.modulation, sv)
-    lin1 = _linear(blk.linear1, registry.call("ln_modulate_fp8", x, sh, sc, ctx.eps), x, ctx)
+    lin1 = _linear(blk.linear1, ops.ln_modulate_fp8(x, sh, sc, ctx.eps), x, ctx)
     qkv, mlp = lin1[..., :3 * C], lin1[..., 3 * C:]
     parts, qk_eps = qk_parts([(qkv, blk)], ctx)
     q, k, v, q8 = ctx.qk_norm_rope(parts, pe, H, qk_eps)
@@ -224,7 +224,7 @@ def single_block(blk, x, vec, pe, mask, ctx):
     else:  # the attention output over lin1's dead v columns, as the exact path does
         a = ctx.attn(q, k, v, mask, out=lin1[..., 2 * C:3 * C], pack=q8)
     del q, k, v, q8, qkv
-    out = _linear(blk.linear2, registry.call("attn_gelu_fp8", a, mlp), x, ctx)
+    out = _linear(blk.linear2, ops.attn_gelu_fp8(a, mlp), x, ctx)
     del a, mlp, lin1
-    registry.call("gated_residual", x, g, out)
+    ops.gated_residual(x, g, out)
     return x

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..cuda_kernels import registry
+from ..cuda_kernels import ops
 from .blocks import BlockContext, double_block, single_block
 from .context import own_tensors
 from .checkpoint import FluxConfig, NotFluxError, expected_shapes, infer_config
@@ -233,6 +233,6 @@ class FluxModel(nn.Module):
             img = single_block(blk, img, vec, pe, attn_mask, ctx)
         img = img[:, txt.shape[1]:, ...]
         shift, scale = self.final_layer.adaLN_modulation(vec[:, None, :]).chunk(2, dim=-1)
-        img = self.final_layer.linear(registry.call("ln_modulate", img, shift, scale, ctx.eps))
+        img = self.final_layer.linear(ops.ln_modulate(img, shift, scale, ctx.eps))
         out = img.reshape(B, hl, wl, cfg.out_channels, p, p).permute(0, 3, 1, 4, 2, 5).reshape(B, cfg.out_channels, h, w)
         return out

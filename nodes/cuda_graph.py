@@ -96,7 +96,7 @@ class GraphWrapper:
             return executor(xx, tt, cc, yy, gg, None, None, transformer_options, **kwargs)
         # the executor and transformer_options of *this* call are what a capture records
         self.gf.fn = fn
-        replays = self.gf.replays
+        replays = getattr(self.gf, "replays", 0)
         try:
             out = self.gf(x, timestep, context, *[v for v in (y, guidance) if v is not None], weights_key=wkey)
         except Exception as e:  # capture failed: never break sampling; not retried for this model
@@ -105,7 +105,7 @@ class GraphWrapper:
             self.gf = None
             self.failed = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
             return self._eager(self.failed, executor, *args, **kwargs)
-        if self.gf is not None and self.gf.replays > replays:
+        if self.gf is not None and getattr(self.gf, "replays", 0) > replays:
             self.last_mode = "graph"
             self.stats["whole_replays"] = self.stats.get("whole_replays", 0) + 1
         else:

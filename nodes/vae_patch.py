@@ -51,7 +51,7 @@ import logging
 
 import torch
 
-from ..cuda_kernels import registry, runtime
+from ..cuda_kernels import ops, registry, runtime
 from .host import op_weights
 
 log = logging.getLogger("flux_numba")
@@ -93,10 +93,10 @@ def group_norm_act(norm, x, silu: bool, pre_bias=None):
     with op_weights(norm, x) as (w, b):
         if _is_nhwc(x):
             kw = {} if pre_bias is None else {"pre_bias": pre_bias}
-            return registry.call(NHWC_OP, x, norm.num_groups, w, b, norm.eps, silu=silu, **kw)
+            return ops.groupnorm_silu_nhwc(x, norm.num_groups, w, b, norm.eps, silu=silu, **kw)
         if pre_bias is not None:
             x = x + pre_bias.to(x.dtype).view(1, -1, 1, 1)
-        return registry.call(OP, x, norm.num_groups, w, b, norm.eps, silu=silu)
+        return ops.groupnorm_silu(x, norm.num_groups, w, b, norm.eps, silu=silu)
 
 
 def _backend_ctx(mod):
@@ -130,7 +130,7 @@ def _conv_nhwc(conv, x, residual=None):
     with _conv_without_bias(conv, x) as (y, b):
         if b is None:
             return y if residual is None else y.add_(residual)
-        return registry.call(BR_OP, y, b, residual)
+        return ops.bias_residual_nhwc(y, b, residual)
 
 
 def _dropout_off(blk):
@@ -155,7 +155,7 @@ def _attn_nhwc(self, x):
     h_ = group_norm_act(self.norm, x, False)
     q, k, v = (_conv_nhwc(m, h_) for m in (self.q, self.k, self.v))
     if getattr(self.optimized_attention, "__name__", "") == "pytorch_attention":
-        h_ = registry.call(VA_OP, q, k, v)     # its reference is pytorch_attention's SDPA
+        h_ = ops.vae_attention(q, k, v)     # its reference is pytorch_attention's SDPA
     else:                                      # xformers / split attention: ComfyUI's choice stands
         h_ = self.optimized_attention(q, k, v)
     if not _is_nhwc(h_):
@@ -203,7 +203,7 @@ def _upsample_forward(self, x, *args, **kwargs):
     base = type(self).__mro__[1]
     if kwargs or any(a is not None for a in args) or not _is_nhwc(x) or not _is_2x(self.scale_factor):
         return base.forward(self, x, *args, **kwargs)
-    x = registry.call(UP_OP, x)
+    x = ops.upsample_nearest2x(x)
     if self.with_conv:
         x = _conv_nhwc(self.conv, x)
     return x

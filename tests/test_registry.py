@@ -207,3 +207,27 @@ def test_decisions_remembered_per_signature():
     for _ in range(3):  # forced and unavailable: checked and counted every time
         r.call("double", y)
     assert r.fallbacks[("double", "fast", "fp32 only")] == 3 and len(calls) == 12
+
+
+def test_every_op_has_its_typed_function():
+    """cuda_kernels/ops.py has one function per registered op with its reference's parameters, and the
+    FLUX / VAE code calls the ops through it (no op named by a string there)."""
+    import inspect
+    import os
+    import re
+    from flux_numba_pack.cuda_kernels import ops
+    from flux_numba_pack.cuda_kernels.registry import registry as reg
+    for name, op in reg.ops.items():
+        if name.startswith("_"):
+            continue  # throw-away ops of other tests
+        fn = getattr(ops, name, None)
+        assert callable(fn), f"cuda_kernels/ops.py has no function for op {name!r}"
+        want = list(inspect.signature(op.reference).parameters)
+        got = list(inspect.signature(fn).parameters)
+        assert got == want, (name, got, want)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for sub in ("flux_core", "nodes"):
+        for f in os.listdir(os.path.join(root, sub)):
+            if f.endswith(".py"):
+                src = open(os.path.join(root, sub, f)).read()
+                assert not re.search(r'registry\.call\(\s*["\']', src), f"{sub}/{f} names an op by a string"
