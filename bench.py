@@ -68,15 +68,49 @@ def _outliers(s):
     raise argparse.ArgumentTypeError(f"expected N,F (channels >= 1, factor > 0), got {s!r}")
 
 
+BASE_VARIANTS = ("stock", "pack-torch", "exact", "exact-sdpa", "bf16-attn", "attn8", "fast", "fast-cached")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block) and exits 2."""
+
+    def error(self, message):
+        self.fail(f"{message} (--help lists the options)")
+
+    def fail(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _device(s):
+    if s in ("auto", "cpu", "cuda") or (s.startswith("cuda:") and s[5:].isdigit()):
+        return s
+    raise argparse.ArgumentTypeError(f"invalid choice: {s!r} (choose from 'auto', 'cuda', 'cuda:N', 'cpu')")
+
+
+def _variant_list(allow_empty):
+    def check(s):
+        vs = [v.strip() for v in s.split(",") if v.strip()]
+        bad = [v for v in vs if (v[: -len("+graph")] if v.endswith("+graph") else v) not in BASE_VARIANTS]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown variant(s) {', '.join(map(repr, bad))} (known: {', '.join(BASE_VARIANTS)}, each also as NAME+graph)")
+        if not vs and not allow_empty:
+            raise argparse.ArgumentTypeError("no variant given")
+        return ",".join(vs)
+    return check
+
+
 def parse():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--res", type=_int_at_least(16, 16), default=1024, help="image side in pixels (multiple of 16)")
     p.add_argument("--txt", type=_int_at_least(1), default=512, help="text tokens")
     p.add_argument("--batch", type=_int_at_least(1), default=1)
     p.add_argument("--model", help="FLUX.1 .safetensors (default: random weights of --config)")
     p.add_argument("--config", default="flux1-dev", choices=["flux1-dev", "tiny"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--variants", default="stock,pack-torch,exact,exact+graph,exact-sdpa,attn8,attn8+graph,fast,fast+graph,fast-cached,fast-cached+graph")
+    p.add_argument("--device", default="auto", type=_device, help="auto | cuda | cuda:N | cpu")
+    p.add_argument("--variants", type=_variant_list(False),
+                   default="stock,pack-torch,exact,exact+graph,exact-sdpa,attn8,attn8+graph,fast,fast+graph,fast-cached,fast-cached+graph",
+                   help="comma list (see above)")
     p.add_argument("--warmup", type=_int_at_least(0), default=2)
     p.add_argument("--reps", type=_int_at_least(1), default=5)
     p.add_argument("--weight-dtype", default="default", choices=["default", "fp8_e4m3fn"],
@@ -87,21 +121,62 @@ def parse():
                    help="stress case: N hidden channels F times larger (img_in / txt_in output rows scaled; the "
                         "residual stream keeps them), as real DiTs have a few massive activation channels")
     p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference (saves memory/time)")
-    p.add_argument("--trajectory", type=int, default=0, help="also run an N-step Euler trajectory (PSNR vs fp32)")
+    p.add_argument("--trajectory", type=_int_at_least(0), default=0, help="also run an N-step Euler trajectory (PSNR vs fp32)")
     p.add_argument("--save-latents", default=None, metavar="PATH",
                    help="with --trajectory: torch.save the final latent of each variant and of the fp32 reference "
                         "(bench/decode_ssim.py decodes them and compares the images)")
     p.add_argument("--no-comfy", action="store_true", help="use the standalone model even if ComfyUI is importable")
     p.add_argument("--no-autotune", dest="autotune", action="store_false",
                    help="auto picks by priority instead of timing each candidate once per shape")
-    p.add_argument("--json", default=os.path.join(ROOT, "out", "bench.json"))
+    p.add_argument("--json", default=os.path.join(ROOT, "out", "bench.json"), metavar="PATH",
+                   help="where the results go (default out/bench.json next to bench.py)")
     p.add_argument("--vae", action="store_true", help="also time the FLUX VAE decode of a 1024^2 image, "
                    "stock ComfyUI decoder vs FluxNumbaVAEPatch's (bench/gpu_vae.py run_decoder)")
-    p.add_argument("--memory", default="", help="comma list of variants: allocations live at the peak of one forward")
-    p.add_argument("--host-profile", default="", help="comma list of variants: one forward under cProfile "
-                   "(top Python functions by own time: where the eager step's host time goes)")
-    p.add_argument("--profile", default="", help="comma list of variants to profile (one forward): top GPU kernels")
-    return p.parse_args()
+    p.add_argument("--memory", default="", type=_variant_list(True),
+                   help="comma list of variants: allocations live at the peak of one forward")
+    p.add_argument("--host-profile", default="", type=_variant_list(True), help="comma list of variants: one forward "
+                   "under cProfile (top Python functions by own time: where the eager step's host time goes)")
+    p.add_argument("--profile", default="", type=_variant_list(True),
+                   help="comma list of variants to profile (one forward): top GPU kernels")
+    a = p.parse_args()
+    check_args(p, a)
+    return p, a
+
+
+def _nearest_existing(path):
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def check_file_out(p, opt, path):
+    """Fail at once when ``path`` (a file to write later) cannot be written; creates nothing."""
+    if not path:
+        p.fail(f"argument {opt}: empty path")
+    if os.path.isdir(path):
+        p.fail(f"argument {opt}: {path} is a folder; give a file name, e.g. {os.path.join(path, 'bench.json')}")
+    base = _nearest_existing(os.path.dirname(os.path.abspath(path)))
+    if not os.path.isdir(base):
+        p.fail(f"argument {opt}: cannot write {path} ({base} is not a folder)")
+    if not os.access(base, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        p.fail(f"argument {opt}: cannot write {path} (permission denied)")
+
+
+def check_args(p, a):
+    """Every check that needs no model: before anything is built or timed."""
+    check_file_out(p, "--json", a.json)
+    if a.save_latents is not None:
+        check_file_out(p, "--save-latents", a.save_latents)
+    cp = os.environ.get("COMFYUI_PATH")
+    if cp and not a.no_comfy and not os.path.isfile(os.path.join(cp, "comfy", "ldm", "flux", "model.py")):
+        p.fail(f"COMFYUI_PATH={cp} is not a ComfyUI tree (no comfy/ldm/flux/model.py); unset it or pass --no-comfy "
+               "for the pack's standalone model")
+    if a.model is not None:
+        if not a.model:
+            p.fail("argument --model: empty path (leave --model out for random weights of --config)")
+        if not os.path.isfile(a.model):
+            p.fail(f"argument --model: {'is a folder, not a file' if os.path.isdir(a.model) else 'no such file'}: {a.model}")
 
 
 def find_comfy():
@@ -111,22 +186,65 @@ def find_comfy():
     return None
 
 
-def main():
-    a = parse()
-    sys.path.insert(0, ROOT)
-    import _pack
-    _pack.load()
-    import torch
-    from flux_numba_pack.cuda_kernels import registry, runtime
-    from flux_numba_pack.flux_core import (BlockContext, FluxModel, FLUX1_DEV, TINY, double_block, single_block,
-                                           euler_sample, flux_schedule, inspect_checkpoint, load_state_dict)
-    from flux_numba_pack.flux_core.harness import step_times, med, pick_device, psnr, rel_err
+def _avail_ram():
+    """Bytes of memory available for new allocations (Linux: MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for ln in f:
+                if ln.startswith("MemAvailable:"):
+                    return int(ln.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
+
+def main():
+    p, a = parse()
+    sys.path.insert(0, ROOT)
+    try:
+        import _pack
+        _pack.load()
+        import torch
+        from flux_numba_pack.cuda_kernels import registry, runtime
+        from flux_numba_pack.flux_core import (BlockContext, CheckpointError, FluxModel, FLUX1_DEV, NotFluxError, TINY,
+                                               double_block, single_block, euler_sample, flux_schedule,
+                                               inspect_checkpoint, load_state_dict)
+        from flux_numba_pack.flux_core.harness import step_times, med, pick_device, psnr, rel_err
+    except ModuleNotFoundError as e:
+        p.fail(f"{e.name or e} is not installed ({e}): run `python3 install.py --standalone` first")
+
+    if a.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            p.fail(f"argument --device: {a.device} asked for, but torch sees no CUDA GPU")
+        if ":" in a.device and int(a.device[5:]) >= torch.cuda.device_count():
+            p.fail(f"argument --device: {a.device}, but torch sees {torch.cuda.device_count()} CUDA GPU(s)")
     dev = pick_device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    cfg = inspect_checkpoint(a.model) if a.model else (FLUX1_DEV if a.config == "flux1-dev" else TINY)
+    if a.model:
+        try:
+            cfg = inspect_checkpoint(a.model)
+        except NotFluxError as e:
+            p.fail(f"argument --model: {a.model}: {e}")
+        except CheckpointError as e:
+            p.fail(f"argument --model: {e}")
+        except OSError as e:
+            p.fail(f"argument --model: cannot read {a.model} ({e.strerror or e})")
+    else:
+        cfg = FLUX1_DEV if a.config == "flux1-dev" else TINY
+    if dev.type == "cpu":  # fp32 on the CPU: the weights (and the fp32 reference's copy) must fit
+        need = cfg.n_params() * 4 * (1 if a.no_ref else 2)
+        avail = _avail_ram()
+        what = a.model or f"--config {a.config}"
+        if cfg.n_params() > 2e9 or (avail and need > avail):
+            p.fail(f"{what} on the CPU: {cfg.n_params() / 1e9:.1f} B params, {need / 1e9:.0f} GB in fp32"
+                   + (f" ({avail / 1e9:.0f} GB free)" if avail else "")
+                   + "; the benchmark needs a CUDA GPU for that, its CPU smoke test is --config tiny "
+                     "(README: python bench.py --config tiny --device cpu --res 64 --txt 8 --reps 1 --warmup 1)")
     comfy_root = None if a.no_comfy else find_comfy()
     info = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
             "res": a.res, "txt": a.txt, "batch": a.batch, "dtype": str(dtype), "model": a.model or f"random {a.config}",
@@ -167,7 +285,8 @@ def main():
                 weights[k] = v.to(dtype) if s is None else (v.float() * s.float()).to(dtype)
             res = model.load_state_dict(weights, strict=False)
             if res.missing_keys or res.unexpected_keys:
-                raise SystemExit(f"{a.model}: missing {res.missing_keys[:3]}, unexpected {res.unexpected_keys[:3]}")
+                p.fail(f"argument --model: {a.model} does not fit the FLUX model it describes: missing "
+                       f"{res.missing_keys[:3]}, unexpected {res.unexpected_keys[:3]}")
             del sd, weights
         else:
             g = torch.Generator(device=dev).manual_seed(0)
@@ -338,6 +457,27 @@ def main():
         del fn
         gc.collect()
 
+    def write_json():
+        """The results as they stand (after the timing, again at the end): nothing is lost to a
+        later failure.  False (and one line on stderr) when the file cannot be written."""
+        info["speed_measurement"] = dev.type == "cuda" and not runtime.SIMULATOR
+        doc = _strict_json({"info": info, "results": results})
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+            with open(a.json + ".tmp", "w") as f:
+                json.dump(doc, f, indent=1, allow_nan=False)
+            os.replace(a.json + ".tmp", a.json)
+            if os.environ.get("OUT") and os.path.isdir(os.environ["OUT"]):
+                with open(os.path.join(os.environ["OUT"], os.path.basename(a.json)), "w") as f:
+                    json.dump(doc, f, indent=1, allow_nan=False)
+        except OSError as e:
+            print(f"bench.py: error: cannot write {a.json} ({e.strerror or e}); the results are only in this output",
+                  file=sys.stderr)
+            return False
+        return True
+
+    write_json()
+
     for v in [v for v in a.profile.split(",") if v]:
         try:
             results.setdefault(v, {})["profile"] = profile_forward(forward_fn(v), v)
@@ -370,17 +510,10 @@ def main():
         torch.save({"info": json.loads(json.dumps(info, default=str)), "latents": finals}, a.save_latents)
         print(f"final latents of {sorted(finals)} -> {a.save_latents}")
 
-    info["speed_measurement"] = dev.type == "cuda" and not runtime.SIMULATOR
+    written = write_json()
     # the "vs stock" column: against ComfyUI's forward, else the pack's torch path; none off a GPU
     base = ((results.get("stock") or {}).get("ms") or (results.get("pack-torch") or {}).get("ms")
             if info["speed_measurement"] else None)
-    doc = _strict_json({"info": info, "results": results})
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(doc, f, indent=1, allow_nan=False)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], os.path.basename(a.json)), "w") as f:
-            json.dump(doc, f, indent=1, allow_nan=False)
     print(f"\nFLUX {a.config if not a.model else a.model} {a.res}x{a.res} txt {a.txt} batch {a.batch} on {info['device']}")
     print(f"{'variant':<12} {'ms/step':>9} {'vs stock':>9} {'b2b ms':>7} {'host ms':>7} {'peak GB':>8} {'rel err':>8} {'traj dB':>8} {'SM MHz':>7} {'W':>5} {'capped':>6}")
     for v, r in results.items():
@@ -414,6 +547,11 @@ def main():
                   f"(stock {vd['psnr_stock_vs_fp32']})")
         else:
             print(f"VAE decode: {vd}")
+    if written:
+        print(f"results: {a.json}" + (f" (and {os.path.join(os.environ['OUT'], os.path.basename(a.json))})"
+                                      if os.environ.get("OUT") and os.path.isdir(os.environ["OUT"]) else ""))
+    else:
+        sys.exit(1)
 
 
 def _strict_json(x):
@@ -657,4 +795,8 @@ def _has_kitchen():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\nbench.py: interrupted (results written so far, if any, are in --json)", file=sys.stderr)
+        sys.exit(130)

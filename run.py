@@ -105,6 +105,8 @@ def parser():
                         "numba (bf16 flash attention) | numba-8bit; a Numba one falls back to torch where it "
                         "cannot run, with a log line")
     p.add_argument("--simulator", action="store_true", help="run Numba kernels in the CUDA simulator (CPU)")
+    p.add_argument("--progress-every", type=finite_float, default=10.0, metavar="SECONDS",
+                   help="a progress line at most this often on long runs (default 10)")
     p.add_argument("--out", metavar="DIR", default=os.path.join(ROOT, "out"),
                    help="folder for latents.safetensors, latent_preview.png and run.json (default: out/ next to run.py)")
     p.add_argument("--write-model", metavar="PATH",
@@ -115,16 +117,39 @@ def parser():
     return p
 
 
-def prepare_out(p, out):
-    """Create the output folder before any work, so that a bad --out fails at once."""
+def _nearest_existing(path):
+    """The path itself or its nearest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def check_out(p, out):
+    """Fail at once (before any work) when the output folder cannot be made or written; nothing
+    is created here: the folder is made when the results are written, so a failed run leaves none."""
+    if not out:
+        p.fail("argument --out: empty path")
     if os.path.exists(out) and not os.path.isdir(out):
         p.fail(f"argument --out: {out} exists and is not a folder")
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        p.fail(f"argument --out: cannot create folder {out} ({e.strerror or e})")
-    if not os.access(out, os.W_OK):
-        p.fail(f"argument --out: folder {out} is not writable")
+    base = _nearest_existing(out)
+    if not os.path.isdir(base):
+        p.fail(f"argument --out: cannot create folder {out} ({base} is not a folder)")
+    if not os.access(base, os.W_OK | os.X_OK):
+        p.fail(f"argument --out: {'folder ' + out + ' is not writable' if base == os.path.abspath(out) else f'cannot create folder {out} ({base} is not writable)'}")
+
+
+def check_write_model(p, path):
+    """--write-model PATH must name a file that can be written."""
+    if not path:
+        p.fail("argument --write-model: empty path")
+    if os.path.isdir(path):
+        p.fail(f"argument --write-model: {path} is a folder; give a file name, e.g. {os.path.join(path, 'tiny.safetensors')}")
+    base = _nearest_existing(os.path.dirname(os.path.abspath(path)))
+    if not os.path.isdir(base):
+        p.fail(f"argument --write-model: cannot write {path} ({base} is not a folder)")
+    if not os.access(base, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        p.fail(f"argument --write-model: cannot write {path} (permission denied)")
 
 
 def strict_json(x):
@@ -141,28 +166,41 @@ def strict_json(x):
 def main():
     p = parser()
     a = p.parse_args()
-    if a.comfy_min and not a.write_model:
+    if a.comfy_min and a.write_model is None:
         p.fail("argument --comfy-min: only used with --write-model PATH")
-    if a.model and not a.write_model and not os.path.isfile(a.model):
-        p.fail(f"argument --model: {'is a folder, not a file' if os.path.isdir(a.model) else 'no such file'}: {a.model}")
+    if a.write_model is not None:
+        check_write_model(p, a.write_model)
+    elif a.model is not None:
+        if not a.model:
+            p.fail("argument --model: empty path (leave --model out for the embedded tiny model)")
+        if not os.path.isfile(a.model):
+            p.fail(f"argument --model: {'is a folder, not a file' if os.path.isdir(a.model) else 'no such file'}: {a.model}")
+    if a.write_model is None:
+        check_out(p, a.out)
     if a.simulator:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     sys.path.insert(0, ROOT)
-    import _pack
-    _pack.load()
-    import torch
-    from flux_numba_pack.cuda_kernels import registry, runtime
-    from flux_numba_pack.flux_core import (BlockContext, CheckpointError, FluxModel, NotFluxError, euler_sample,
-                                           flux_schedule, inspect_checkpoint, load_state_dict, tiny_state_dict)
-    from flux_numba_pack.flux_core.harness import StepTimer, pick_device, pick_dtype, psnr, med
+    try:
+        import _pack
+        _pack.load()
+        import torch
+        from flux_numba_pack.cuda_kernels import registry, runtime
+        from flux_numba_pack.flux_core import (BlockContext, CheckpointError, FluxModel, NotFluxError, euler_sample,
+                                               flux_schedule, inspect_checkpoint, load_state_dict, tiny_state_dict)
+        from flux_numba_pack.flux_core.harness import StepTimer, pick_device, pick_dtype, psnr, med
+    except ModuleNotFoundError as e:
+        p.fail(f"{e.name or e} is not installed ({e}): run `python3 install.py --standalone` first "
+               "(README: The two commands)")
 
-    if a.write_model:
+    if a.write_model is not None:
         from flux_numba_pack.flux_core import comfy_min_state_dict, save_state_dict
         sd = comfy_min_state_dict(seed=0) if a.comfy_min else tiny_state_dict(seed=0, dtype=torch.bfloat16)
         try:
             save_state_dict(sd, a.write_model, prefix="model.diffusion_model.")
         except OSError as e:
             p.fail(f"argument --write-model: cannot write {a.write_model} ({e.strerror or e})")
+        except Exception as e:  # safetensors' SafetensorError (not an OSError)
+            p.fail(f"argument --write-model: cannot write {a.write_model} ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
         print(f"wrote {a.write_model}: {sum(v.numel() for v in sd.values()) / 1e6:.1f} M params, bf16")
         return
     if a.device.startswith("cuda") and not a.simulator:
@@ -170,7 +208,6 @@ def main():
             p.fail(f"argument --device: {a.device} asked for, but torch sees no CUDA GPU")
         if ":" in a.device and int(a.device[5:]) >= torch.cuda.device_count():
             p.fail(f"argument --device: {a.device}, but torch sees {torch.cuda.device_count()} CUDA GPU(s)")
-    prepare_out(p, a.out)
     if a.model:  # every check of the file before anything is printed or sampled
         try:
             cfg = inspect_checkpoint(a.model)
@@ -213,25 +250,43 @@ def main():
     guidance = torch.full((a.batch,), a.guidance, device=dev)
     ts = flux_schedule(a.steps, (lat_h // 2) * (lat_w // 2))
 
+    import time
+    progress = {"label": None, "step": 0}
+
     def sample(label, fused, policy):
         times, backends = [], []
+        t0 = last = time.monotonic()
+        progress.update(label=label, step=0)
 
         def fn(x, t):
+            nonlocal last
             with StepTimer(dev) as tm, torch.no_grad(), registry.force(**policy):
                 v = model(x, t, context, y, guidance,
                           BlockContext(fused=fused, quant8=policy.get("attention") == "numba-8bit"), dtype=dtype)
             times.append(tm.ms)
             backends.append(registry.take_usage())
+            progress["step"] = len(times)
+            now = time.monotonic()
+            if now - last >= a.progress_every and len(times) < a.steps:  # a line every --progress-every s
+                last = now
+                left = (now - t0) / len(times) * (a.steps - len(times))
+                print(f"{label} path: step {len(times)}/{a.steps}, {now - t0:.0f} s, ~{_duration(left)} left"
+                      + (" (then the patched path)" if label == "stock" else ""), flush=True)
             return v
         registry.take_usage()
         out = euler_sample(fn, noise, ts)
         return out, times, backends
 
-    stock, t_stock, _ = sample("stock", False, {"*": "torch"})
     pol = {"*": "auto"}
     if a.attention != "auto":
         pol["attention"] = a.attention
-    patched, t_ours, used = sample("patched", True, pol)
+    try:
+        stock, t_stock, _ = sample("stock", False, {"*": "torch"})
+        patched, t_ours, used = sample("patched", True, pol)
+    except KeyboardInterrupt:
+        print(f"\nrun.py: interrupted at {progress['label']} step {progress['step']}/{a.steps}; nothing written",
+              file=sys.stderr)
+        sys.exit(130)
 
     ran = {}
     for u in used:
@@ -247,32 +302,11 @@ def main():
     else:
         speed_note = None
     speed = speed_note is None
-    if not speed:
-        print(f"\nNOT a speed measurement: {speed_note}.")
-    print(f"\n{'step':>4} {'t':>6} {'stock ms':>10} {'patched ms':>11}")
-    for i, (t0, t1) in enumerate(zip(t_stock, t_ours)):
-        print(f"{i:>4} {ts[i]:>6.3f} {t0:>10.2f} {t1:>11.2f}")
-    ms_s, ms_o = med(t_stock[1:] or t_stock), med(t_ours[1:] or t_ours)
-    print(f"{'med':>4} {'':>6} {ms_s:>10.2f} {ms_o:>11.2f}   (first step excluded: warm-up / JIT)"
-          + ("" if speed else "   [not a speed measurement]"))
-    print("backends (patched): " + ", ".join(f"{op}={'/'.join(sorted(b))}" for op, b in sorted(ran.items())))
     s32, p32 = stock.float(), patched.float()
     finite = bool(torch.isfinite(s32).all() and torch.isfinite(p32).all())
     identical = finite and torch.equal(s32, p32)
     p_db = None if identical or not finite else psnr(s32, p32)
     mad = (s32 - p32).abs().max().item() if finite else None
-    if not finite:
-        print("agreement stock vs patched: not measurable, an output has NaN/Inf values")
-    elif identical:
-        print("agreement stock vs patched: identical outputs (max abs diff 0; PSNR infinite, written as "
-              "psnr_db null, identical true)")
-    else:
-        print(f"agreement stock vs patched: PSNR {p_db:.1f} dB, max abs diff {mad:.3g}")
-
-    from safetensors.torch import save_file
-    save_file({"stock": s32.cpu().contiguous(), "patched": p32.cpu().contiguous()},
-              os.path.join(a.out, "latents.safetensors"))
-    preview(p32[0].cpu(), os.path.join(a.out, PREVIEW))
     rec = {"device": str(dev), "dtype": str(dtype), "model": a.model or "embedded-tiny", "steps": a.steps,
            "size": [a.width, a.height], "batch": a.batch, "stock_ms": t_stock, "patched_ms": t_ours,
            "speed_measurement": speed, "speed_note": speed_note,
@@ -281,11 +315,51 @@ def main():
            "latent_preview": {"file": PREVIEW, "what": "patched latent, channels 0-2 as RGB (each stretched to "
                                                       "0..255), nearest x8: a picture of the latent, not a "
                                                       "decoded image"}}
-    with open(os.path.join(a.out, "run.json"), "w") as f:
-        json.dump(strict_json(rec), f, indent=1, allow_nan=False)
+    # the results go to disk before anything else can fail (the table, the preview)
+    from safetensors.torch import save_file
+    try:
+        os.makedirs(a.out, exist_ok=True)
+        save_file({"stock": s32.cpu().contiguous(), "patched": p32.cpu().contiguous()},
+                  os.path.join(a.out, "latents.safetensors"))
+        with open(os.path.join(a.out, "run.json"), "w") as f:
+            json.dump(strict_json(rec), f, indent=1, allow_nan=False)
+    except Exception as e:  # the folder went away or the disk is full: say so in one line
+        p.fail(f"argument --out: cannot write the results to {a.out} ({getattr(e, 'strerror', None) or e})")
+
+    if not speed:
+        print(f"\nNOT a speed measurement: {speed_note}.")
+    print(f"\n{'step':>4} {'t':>6} {'stock ms':>10} {'patched ms':>11}")
+    for i, (t0, t1) in enumerate(zip(t_stock, t_ours)):
+        if len(t_stock) > 40 and 10 <= i < len(t_stock) - 10:  # a long run: its first and last ten steps
+            if i == 10:
+                print(f"{'...':>4} ({len(t_stock) - 20} steps not shown; run.json has every one)")
+            continue
+        print(f"{i:>4} {ts[i]:>6.3f} {t0:>10.2f} {t1:>11.2f}")
+    ms_s, ms_o = med(t_stock[1:] or t_stock), med(t_ours[1:] or t_ours)
+    which = "(first step excluded: warm-up / JIT)" if len(t_stock) > 1 else "(one step: it includes warm-up / JIT)"
+    print(f"{'med':>4} {'':>6} {ms_s:>10.2f} {ms_o:>11.2f}   {which}"
+          + ("" if speed else "   [not a speed measurement]"))
+    print("backends (patched): " + ", ".join(f"{op}={'/'.join(sorted(b))}" for op, b in sorted(ran.items())))
+    if not finite:
+        print("agreement stock vs patched: not measurable, an output has NaN/Inf values")
+    elif identical:
+        print("agreement stock vs patched: identical outputs (max abs diff 0; PSNR infinite, written as "
+              "psnr_db null, identical true)")
+    else:
+        print(f"agreement stock vs patched: PSNR {p_db:.1f} dB, max abs diff {mad:.3g}")
+    try:
+        preview(p32[0].cpu(), os.path.join(a.out, PREVIEW))
+    except Exception as e:
+        print(f"run.py: error: could not write {os.path.join(a.out, PREVIEW)} ({e}); latents.safetensors and "
+              "run.json are written", file=sys.stderr)
+        sys.exit(1)
     print(f"saved {a.out}/: latents.safetensors (stock and patched latents), run.json, and {PREVIEW}: "
           f"a picture of the latent (its first 3 of {cfg.in_channels} channels as RGB, x8), not a decoded image "
           f"(no VAE in this job)")
+
+
+def _duration(s):
+    return f"{s:.0f} s" if s < 120 else (f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h")
 
 
 def preview(lat, path):
@@ -299,4 +373,8 @@ def preview(lat, path):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # outside the sampling loop (imports, JIT, model load): nothing was written
+        print("\nrun.py: interrupted; nothing written", file=sys.stderr)
+        sys.exit(130)

@@ -84,6 +84,15 @@ def ptx_report():
     cases = dict(FR.PTX_CASES)
     cases.update({k: v for k, v in LM.PTX_CASES.items() if "fp8" in k})
     exe = shutil.which("ptxas")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ptx_hash_attention import ptx_toolchain_missing
+    why = ptx_toolchain_missing()
+    if why:  # one line, not the same error once per kernel
+        print(f"gpu_fp8.py: error: {why}", file=sys.stderr)
+        sys.exit(2)
+    if exe is None:
+        print("ptxas not on PATH: registers / spills not reported (the PTX is still compiled)", flush=True)
+    failed = 0
     for name, mk in cases.items():
         try:
             disp, sig = mk()
@@ -104,12 +113,16 @@ def ptx_report():
                 cnt["spill_B"] = int(sp[0]) if sp else None
             note("ptx " + name, **cnt)
         except Exception as e:
+            failed += 1
             note("ptx " + name, error=f"{type(e).__name__}: {str(e)[:300]}")
+    return failed
 
 
 if PTX_ONLY:
-    ptx_report()
-    sys.exit(0)
+    n_failed = ptx_report()
+    if n_failed:
+        print(f"gpu_fp8.py: error: {n_failed} of the kernels did not compile (see above)", file=sys.stderr)
+    sys.exit(1 if n_failed else 0)
 
 if SIM:  # wall-clock stand-ins for the CUDA timing calls
     from _attn_common import _Ev  # noqa: E402

@@ -28,6 +28,53 @@ import types
 
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 
+NEEDS = ("these scripts compile PTX without a GPU and need numba-cuda's NVVM and NVRTC: run install.py on a "
+         "CUDA torch, or pip install 'cuda-toolkit[nvrtc,nvvm]==13.*' (CUDA 13) / 'cuda-toolkit[nvcc,nvrtc]==12.*' "
+         "(CUDA 12), or point CUDA_HOME at a CUDA toolkit")
+
+
+def die(message):
+    """One line on stderr, exit status 2 (what is missing, or a bad option)."""
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
+def ptx_toolchain_missing():
+    """None when numba-cuda compiles a kernel to PTX for sm_90 here (no GPU needed), else one line
+    naming what is missing (NVVM / NVRTC not found, numba-cuda not importable)."""
+    try:
+        from numba import cuda, types as nt
+    except Exception as e:
+        return f"numba-cuda is not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+    def probe(x):
+        x[0] = 1
+
+    try:
+        cuda.compile_ptx(probe, (nt.int32[:],), cc=(9, 0))
+    except Exception as e:
+        text = f"{type(e).__name__}: {e}"
+        chain, x = [], e
+        while x is not None and len(chain) < 8:  # the libraries named anywhere in the exception chain
+            chain.append(str(x))
+            x = x.__cause__ or x.__context__
+        libs = sorted(set(re.findall(r"lib(nvvm|nvrtc)", " ".join(chain).lower())), reverse=True)
+        what = (" and ".join(f"{n.upper()} (lib{n})" for n in libs) + " not found") if libs \
+            else "numba-cuda cannot compile PTX"
+        first = text.splitlines()[0]
+        return f"{what} ({first[:160]}{'...' if len(first) > 160 else ''}); {NEEDS}"
+    return None
+
+
+def need_tool(name, path=None):
+    """The path of executable ``name`` (or ``path``), or exit 2 with one line saying it is missing."""
+    import shutil
+    exe = shutil.which(path or name)
+    if exe is None:
+        die(f"{os.path.basename(sys.argv[0])}: error: {path or name} not found on PATH "
+                 f"({name} comes with a CUDA toolkit, or the nvidia-cuda-nvcc / nvidia-cuda-nvdisasm wheels)")
+    return exe
+
 
 def kernels(A):
     """[(name, kernel dispatcher, kind)] -- kind 'bf16' / 'int8' selects the signature."""
@@ -92,17 +139,28 @@ def ptxas_info(ptx):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.error = lambda msg: ap.exit(2, f"ptx_hash_attention.py: error: {msg}\n")
     ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ap.add_argument("--only", default="", help="regex of kernel names")
     ap.add_argument("--dump", default="", help="folder to write each kernel's PTX to")
     ap.add_argument("--ptxas", action="store_true",
                     help="also assemble each PTX with ptxas -arch=sm_90a (on PATH): registers, spills")
     a = ap.parse_args()
+    if not os.path.isfile(os.path.join(a.root, "_pack.py")):
+        ap.error(f"--root {a.root}: not a copy of the pack (no _pack.py)")
+    if a.ptxas:
+        need_tool("ptxas")
     sys.path.insert(0, a.root)
-    import _pack
-    _pack.load()
+    try:
+        import _pack
+        _pack.load()
+    except ModuleNotFoundError as e:
+        die(f"ptx_hash_attention.py: error: {e.name or e} is not installed ({e}): run `python3 install.py --standalone` first")
     import numba.cuda.dispatcher as _d
     _d.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+    why = ptx_toolchain_missing()
+    if why:
+        die(f"ptx_hash_attention.py: error: {why}")
     from numba import cuda, types as nt
     from flux_numba_pack.cuda_kernels import attention as A
     I32, F32, i64 = nt.Array(nt.int32, 1, "A"), nt.Array(nt.float32, 1, "A"), nt.int64

@@ -23,13 +23,24 @@ sys.path.insert(0, ROOT)
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.error = lambda msg: ap.exit(2, f"sass_attention.py: error: {msg}\n")
     ap.add_argument("--nvdisasm", default="nvdisasm")
     ap.add_argument("--config", default="BF16_MMA", choices=("BF16_MMA", "BF16_WGMMA"))
     a = ap.parse_args()
-    import _pack
-    _pack.load()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ptx_hash_attention import die, need_tool, ptx_toolchain_missing
+    ptxas = need_tool("ptxas")
+    nvdisasm = need_tool("nvdisasm", a.nvdisasm)
+    try:
+        import _pack
+        _pack.load()
+    except ModuleNotFoundError as e:
+        die(f"sass_attention.py: error: {e.name or e} is not installed ({e}): run `python3 install.py --standalone` first")
     import numba.cuda.dispatcher as _d
     _d.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+    why = ptx_toolchain_missing()
+    if why:
+        die(f"sass_attention.py: error: {why}")
     from numba import cuda, types as nt
     from flux_numba_pack.cuda_kernels import attention as A
     I32, F32, i64 = nt.Array(nt.int32, 1, "A"), nt.Array(nt.float32, 1, "A"), nt.int64
@@ -39,9 +50,14 @@ def main():
     ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.0", ptx, count=1, flags=re.M)
     d = tempfile.mkdtemp()
     open(os.path.join(d, "k.ptx"), "w").write(ptx)
-    r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"], cwd=d, capture_output=True, text=True)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"], cwd=d, capture_output=True, text=True)
+    if r.returncode:
+        die(f"sass_attention.py: error: ptxas failed: {(r.stderr.strip().splitlines() or ['exit %d' % r.returncode])[-1][:200]}")
     print(" ".join(ln.strip() for ln in r.stderr.splitlines() if "Used" in ln))
-    sass = subprocess.run([a.nvdisasm, "-c", os.path.join(d, "k.cubin")], capture_output=True, text=True).stdout.splitlines()
+    r = subprocess.run([nvdisasm, "-c", os.path.join(d, "k.cubin")], capture_output=True, text=True)
+    if r.returncode:
+        die(f"sass_attention.py: error: nvdisasm failed: {(r.stderr.strip().splitlines() or ['exit %d' % r.returncode])[-1][:200]}")
+    sass = r.stdout.splitlines()
     labels = {ln[:-1]: i for i, ln in enumerate(sass) if ln.startswith(".L_x_") and ln.endswith(":")}
     best = None
     for i, ln in enumerate(sass):
@@ -51,6 +67,8 @@ def main():
             h = sum("HMMA" in sass[j] or "HGMMA" in sass[j] for j in range(st, i))
             if best is None or h > best[2]:
                 best = (st, i, h)
+    if best is None:
+        die("sass_attention.py: error: no loop with HMMA instructions in the SASS (is nvdisasm's output empty?)")
     st, en, h = best
     ops = collections.Counter()
     for ln in sass[st:en + 1]:

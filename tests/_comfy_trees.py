@@ -12,7 +12,9 @@ each tree's version is comfyui_version.py's ``__version__``.
 In the outer process the comfyui-marked tests run only when FLUX_NUMBA_IN_TREE_RUN=1 (the per-tree
 run) or when COMFYUI_PATH is set (direct use: ``COMFYUI_PATH=... pytest tests/test_comfyui.py``);
 then the matrix does not run that tree a second time.  Otherwise they skip with "runs per tree in
-test_comfyui_matrix".
+test_comfyui_matrix".  A path given explicitly (COMFYUI_PATHS / COMFYUI_PATH) that is not a ComfyUI
+tree is an error, not a skip: test_comfyui_matrix::test_explicit_comfyui_paths fails with the reason,
+and tests/conftest.py turns the skips of the comfyui-marked tests it caused into failures.
 """
 import glob
 import os
@@ -47,6 +49,31 @@ def candidate_paths():
     if os.environ.get("COMFYUI_PATH"):
         return "COMFYUI_PATH", [os.environ["COMFYUI_PATH"]]
     return ".carry", sorted(p for p in glob.glob(os.path.join(ROOT, ".carry", "ComfyUI-*")) if os.path.isdir(p))
+
+
+def tree_problem(path):
+    """None when ``path`` is a ComfyUI tree the tests can use, else why not (one line)."""
+    if not os.path.exists(path):
+        return f"{path} does not exist"
+    if not os.path.isdir(path):
+        return f"{path} is not a folder"
+    if not os.path.isfile(os.path.join(path, "main.py")) or not os.path.isdir(os.path.join(path, "comfy")):
+        return f"{path} is not a ComfyUI tree (no main.py / comfy/)"
+    if not tree_version(path):
+        return f"{path} has no comfyui_version.py with a __version__"
+    return None
+
+
+def explicit_path_errors():
+    """['COMFYUI_PATHS entry X: why' ...] for every path given explicitly (COMFYUI_PATHS, else
+    COMFYUI_PATH) that is not a ComfyUI tree: a test command given a wrong path fails, it does not
+    skip.  .carry/ComfyUI-* (found, not given) never counts."""
+    source, paths = candidate_paths()
+    if source == ".carry":
+        return []
+    if source == "COMFYUI_PATHS" and not paths:
+        return ["COMFYUI_PATHS is set but names no path"]
+    return [f"{source}: {why}" for why in map(tree_problem, paths) if why]
 
 
 def find_trees():

@@ -7,8 +7,14 @@
 # simpleeval, the pack's requirements.txt and pytest; each tree's pinned frontend where it differs
 # from the installed one, in VENV/frontends/<version>.  Then COMFYUI_PYTHON=VENV/bin/python.
 set -euo pipefail
+usage="usage: bash tests/comfy_venv.sh VENV TREE [TREE...]  (e.g. /work/venv-comfy .carry/ComfyUI-*)"
+[ $# -ge 2 ] || { echo "comfy_venv.sh: error: need a venv folder and at least one ComfyUI tree; $usage" >&2; exit 2; }
 venv=$1; shift
-[ $# -ge 1 ] || { echo "usage: $0 VENV TREE [TREE...]" >&2; exit 2; }
+for tree in "$@"; do
+  [ -f "$tree/main.py" ] && [ -f "$tree/requirements.txt" ] \
+    || { echo "comfy_venv.sh: error: $tree is not a ComfyUI tree (no main.py / requirements.txt); $usage" >&2; exit 2; }
+done
+[ ! -e "$venv" ] || [ -d "$venv" ] || { echo "comfy_venv.sh: error: $venv exists and is not a folder" >&2; exit 2; }
 root="$(cd "$(dirname "$0")/.." && pwd)"
 TORCH=${TORCH:-2.14.1}; TORCHVISION=${TORCHVISION:-0.29.1}; TORCHAUDIO=${TORCHAUDIO:-2.11.1}
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"

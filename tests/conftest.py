@@ -33,8 +33,77 @@ import _pack  # noqa: E402
 _pack.load()
 
 
+import pytest  # noqa: E402
+
+
+def _bad_comfyui_path():
+    """The reason when COMFYUI_PATH is given but is not a ComfyUI tree, else None."""
+    p = os.environ.get("COMFYUI_PATH")
+    if not p:
+        return None
+    import _comfy_trees
+    why = _comfy_trees.tree_problem(p)
+    return f"COMFYUI_PATH: {why}" if why else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A comfyui-marked test skipped because the COMFYUI_PATH given is not a ComfyUI tree fails
+    instead, with the reason (a wrong explicit path is an error, not something to skip)."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.skipped and not hasattr(rep, "wasxfail") and item.get_closest_marker("comfyui") is not None:
+        why = _bad_comfyui_path()
+        if why:
+            rep.outcome = "failed"
+            rep.longrepr = f"{why}: the ComfyUI tests cannot run against it (skipped otherwise, now an error)"
+
+
+# what a skip reason is about, for the summary (first match wins)
+SKIP_KINDS = [
+    ("ComfyUI: no tree, interpreter or version feature", ("comfyui", "comfy/", "per tree", "per-tree", "test_comfyui_matrix")),
+    ("needs a GPU / CUDA toolkit", ("gpu", "cuda", "sm_8", "sm_9", "simulator", "wgmma", "_scaled_mm", "float8", "fp8",
+                               "ptxas", "nvcc", "nvvm", "nvrtc", "sanitizer")),
+    ("no network / package index", ("index", "network", "unreachable")),
+]
+
+
+def _skip_reason(rep):
+    lr = rep.longrepr
+    text = lr[2] if isinstance(lr, tuple) and len(lr) == 3 else str(lr)
+    return text[len("Skipped: "):] if text.startswith("Skipped: ") else text
+
+
+def skip_summary(reports, width=150, per_kind=6):
+    """Lines: the skipped tests grouped by kind, then by reason, with counts."""
+    by_kind = {}
+    for rep in reports:
+        reason = " ".join(_skip_reason(rep).split())
+        low = reason.lower()
+        kind = next((k for k, words in SKIP_KINDS if any(w in low for w in words)), "other")
+        by_kind.setdefault(kind, {}).setdefault(reason, 0)
+        by_kind[kind][reason] += 1
+    if not by_kind:
+        return []
+    total = sum(sum(r.values()) for r in by_kind.values())
+    lines = [f"not run: {total} skipped -- " + ", ".join(f"{sum(r.values())} {k}" for k, r in
+                                                        sorted(by_kind.items(), key=lambda kv: -sum(kv[1].values())))]
+    for kind, reasons in sorted(by_kind.items(), key=lambda kv: -sum(kv[1].values())):
+        lines.append(f"{sum(reasons.values()):5d}  {kind}:")
+        ordered = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+        for reason, n in ordered[:per_kind]:
+            lines.append(f"{n:9d}  {reason if len(reason) <= width else reason[:width - 3] + '...'}")
+        if len(ordered) > per_kind:
+            lines.append(f"{sum(n for _, n in ordered[per_kind:]):9d}  ({len(ordered) - per_kind} more reasons; -rs lists each test)")
+    return lines
+
+
 def pytest_terminal_summary(terminalreporter):
-    """One line per ComfyUI tree that test_comfyui_matrix ran (its inner pytest summary and time)."""
+    """One line per ComfyUI tree that test_comfyui_matrix ran (its inner pytest summary and time);
+    then what did not run and why: the skips, counted per kind and per reason."""
     m = sys.modules.get("test_comfyui_matrix")
     for label, tree, summary, secs in getattr(m, "RESULTS", ()):
         terminalreporter.write_line(f"ComfyUI {label} ({tree}): {summary} [{secs:.0f} s]")
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if getattr(r, "when", "") in ("setup", "call")]
+    for ln in skip_summary(skipped):
+        terminalreporter.write_line(ln)

@@ -1,6 +1,8 @@
 """The README's main-job command, install.py and the benchmark harness, run as a user would (CPU)."""
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 
@@ -123,6 +125,11 @@ BAD = [
     (["--model", "{trunc}"], ["--model", "trunc.safetensors", "truncated"]),
     (["--out", "{afile}"], ["--out", "afile", "not a folder"]),
     (["--write-model", "{afile}/sub/m.safetensors"], ["--write-model", "m.safetensors"]),
+    (["--write-model", "{folder}"], ["--write-model", "is a folder", "tiny.safetensors"]),
+    (["--write-model", ""], ["--write-model", "empty path"]),
+    (["--model", ""], ["--model", "empty path"]),
+    (["--out", ""], ["--out", "empty path"]),
+    (["--out", "{afile}/sub"], ["--out", "afile", "not a folder"]),
 ]
 
 
@@ -141,7 +148,54 @@ def test_main_job_bad_input(tmp_path, args, want):
     assert p.stdout == "" and text.startswith("run.py: error: "), text
     for w in want:
         assert w in text, (w, text)
-    assert not (out / "run.json").exists()
+    assert not out.exists(), "a failed run left its output folder"
+
+
+def test_main_job_one_step_progress_and_wording(tmp_path):
+    """--steps 1: the median is not said to exclude a first step; progress lines on long runs
+    (--progress-every 0: one per step here)."""
+    p = run("run.py", "--steps", "1", "--width", "16", "--height", "16", "--txt-len", "3", "--out", str(tmp_path / "o"))
+    assert "first step excluded" not in p.stdout and "one step: it includes warm-up" in p.stdout
+    p = run("run.py", "--steps", "3", "--width", "16", "--height", "16", "--txt-len", "3", "--out", str(tmp_path / "p"),
+            "--progress-every", "0")
+    assert "stock path: step 1/3" in p.stdout and "patched path: step 2/3" in p.stdout
+    assert "first step excluded" in p.stdout
+
+
+def test_main_job_ctrl_c_is_one_line_and_writes_nothing(tmp_path):
+    import signal
+    import time
+    out = tmp_path / "o"
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    proc = subprocess.Popen([sys.executable, "run.py", "--steps", "100000", "--width", "16", "--height", "16",
+                             "--txt-len", "3", "--out", str(out), "--progress-every", "0.2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        line = ""
+        while "step" not in line and time.monotonic() - t0 < 300:  # sampling has started
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+        assert "stock path: step" in line, line
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [err.strip()] and "interrupted at stock step" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("script", ["run.py", "bench.py"])
+def test_before_install_is_one_line(script):
+    """Run before install.py (here: no site-packages, so no torch): one line saying what to run."""
+    p = subprocess.run([sys.executable, "-S", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    text = (p.stdout + p.stderr).strip()
+    assert p.returncode == 2 and len(text.splitlines()) == 1 and "Traceback" not in text, text
+    assert "is not installed" in text and "install.py --standalone" in text
 
 
 def test_main_job_in_the_simulator(tmp_path):
@@ -178,8 +232,13 @@ def test_install_help_and_dry_run_install_nothing():
     d = run("install.py", "--dry-run", "--standalone", "--tests")
     lines = d.stdout.splitlines()
     assert lines and all(ln.startswith("[flux-numba] ") for ln in lines), d.stdout
-    assert any(ln.startswith("[flux-numba] would run: ") or ln.endswith("nothing to install") for ln in lines)
-    assert "pip failed" not in d.stdout + d.stderr
+    # what it would run (safe to paste), or that the CUDA wheels are there already: one line says which
+    assert any(ln.startswith("[flux-numba] would run: ") or "no CUDA wheels added" in ln for ln in lines), d.stdout
+    for ln in lines:
+        if ln.startswith("[flux-numba] would run: "):
+            cmd = shlex.split(ln[len("[flux-numba] would run: "):].split("   (not checked", 1)[0])
+            assert cmd[1:4] == ["-m", "pip", "install"], ln
+    assert "pip failed" not in d.stdout + d.stderr and "refused" not in d.stdout + d.stderr
     assert _pip_freeze() == before
 
 
@@ -187,6 +246,7 @@ def test_benchmark_harness_smoke(tmp_path):
     out = tmp_path / "b.json"
     p = run("bench.py", "--config", "tiny", "--device", "cpu", "--res", "64", "--txt", "8", "--no-comfy",
             "--variants", "pack-torch,exact", "--reps", "2", "--warmup", "1", "--trajectory", "2", "--json", str(out))
+    assert p.stdout.rstrip().splitlines()[-1] == f"results: {out}"  # it says where its JSON went
     res = strict_load(out)["results"]
     assert set(res) == {"pack-torch", "exact"}
     tr = res["pack-torch"]
@@ -218,3 +278,90 @@ def test_benchmark_default_variants_on_cpu(tmp_path):
     for v in ("pack-torch", "exact", "exact-sdpa", "attn8", "fast"):
         assert res[v]["ms"] > 0 and "error" not in res[v], res[v]
     assert doc["info"]["speed_measurement"] is False and "not a speed measurement" in p.stdout
+
+
+# (arguments, extra environment, what the one line must contain); {name} = a file from _bad_files
+BENCH_BAD = [
+    (["--device", "gpu"], {}, ["--device", "invalid choice", "gpu"]),
+    (["--device", "cuda"], {}, ["--device", "no CUDA GPU"]),
+    (["--variants", "bogus"], {}, ["--variants", "unknown variant", "bogus"]),
+    (["--variants", "exact,exact+grahp"], {}, ["--variants", "exact+grahp"]),
+    (["--profile", "nope"], {}, ["--profile", "nope"]),
+    (["--model", "{missing}"], {}, ["--model", "no such file"]),
+    (["--model", "{vae}"], {}, ["--model", "vae.safetensors", "not a FLUX.1 diffusion model"]),
+    (["--model", "{six}"], {}, ["--model", "too short"]),
+    (["--model", ""], {}, ["--model", "empty path"]),
+    (["--json", "{folder}"], {}, ["--json", "is a folder"]),
+    (["--json", "{afile}/b.json"], {}, ["--json", "afile", "not a folder"]),
+    (["--device", "cpu", "--res", "1024"], {}, ["flux1-dev on the CPU", "GB in fp32", "--config tiny"]),
+    (["--config", "tiny"], {"COMFYUI_PATH": "{missing}"}, ["COMFYUI_PATH", "not a ComfyUI tree"]),
+    (["--trajectory", "-1"], {}, ["--trajectory"]),
+]
+
+
+@pytest.mark.parametrize("args,env,want", BENCH_BAD, ids=[" ".join(a) or str(e) for a, e, _ in BENCH_BAD])
+def test_benchmark_bad_input(tmp_path, args, env, want):
+    """Each bad option, file or environment: exit 2, ONE line naming it, no traceback, no JSON --
+    before any model is built."""
+    files = _bad_files(tmp_path)
+    argv = [x.format(**files) for x in args]
+    out = tmp_path / "res" / "b.json"
+    if "--json" not in args:
+        argv += ["--json", str(out)]
+    p = run("bench.py", *argv, env_extra={k: v.format(**files) for k, v in env.items()}, check=False)
+    text = (p.stdout + p.stderr).strip()
+    assert p.returncode == 2, text
+    assert "Traceback" not in text and len(text.splitlines()) == 1 and text.startswith("bench.py: error: "), text
+    for w in want:
+        assert w in text, (w, text)
+    assert not out.exists() and "model ready" not in text
+
+
+def _hide_libs(tmp_path):
+    """A wrapper that runs a script with cuda.pathfinder unable to find the libraries in $HIDE."""
+    w = tmp_path / "hide_libs.py"
+    w.write_text(
+        "import os, runpy, sys\n"
+        "import cuda.pathfinder as pf\n"
+        "orig, hide = pf.load_nvidia_dynamic_lib, os.environ['HIDE'].split(',')\n"
+        "def load(name):\n"
+        "    if name in hide:\n"
+        "        raise pf.DynamicLibNotFoundError(f'Failure finding lib{name}.so: searched site-packages, conda, system')\n"
+        "    return orig(name)\n"
+        "pf.load_nvidia_dynamic_lib = load\n"
+        "sys.argv = sys.argv[1:]\n"
+        "sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return str(w)
+
+
+@pytest.mark.parametrize("cmd", [["bench/ptx_hash_attention.py"], ["bench/gpu_fp8.py", "--ptx-only"],
+                                 ["bench/sass_attention.py", "--nvdisasm", sys.executable]])
+@pytest.mark.parametrize("lib", ["nvrtc", "nvvm"])
+def test_ptx_tools_without_nvrtc_or_nvvm_are_one_line(tmp_path, cmd, lib):
+    """The README's no-GPU PTX tools on a machine without libnvrtc / libnvvm: one line naming what is
+    missing, exit 2 (not a 44-line traceback, not one error per kernel with exit 0)."""
+    pytest.importorskip("cuda.pathfinder")
+    p = run(_hide_libs(tmp_path), *cmd, env_extra={"HIDE": lib}, check=False)
+    text = (p.stdout + p.stderr).strip()
+    assert p.returncode == 2, text
+    assert "Traceback" not in text and len(text.splitlines()) == 1, text
+    assert text.startswith(os.path.basename(cmd[0]) + ": error: ")
+    if not re.search(r"error: (ptxas|nvdisasm|\S+) not found on PATH", text):  # sass checks its tools first
+        assert f"lib{lib}" in text and "not found" in text, text
+
+
+def test_comfy_venv_script_usage():
+    for args in ([], ["/tmp/no-such-venv-for-test"], ["/tmp/no-such-venv-for-test", "/no/such/tree"]):
+        p = subprocess.run(["bash", "tests/comfy_venv.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and p.stdout == "", p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("comfy_venv.sh: error: ")
+        assert "unbound variable" not in p.stderr
+    assert not os.path.exists("/tmp/no-such-venv-for-test")
+
+
+def test_run_sh_without_python():
+    p = subprocess.run(["bash", "tests/run.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHON="no-such-python-for-test"))
+    assert p.returncode == 2 and p.stderr.strip() == ("tests/run.sh: error: no-such-python-for-test not found "
+                                                      "(set PYTHON=/path/to/python)")

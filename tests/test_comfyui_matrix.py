@@ -4,7 +4,8 @@ For each version in _comfy_trees.SUPPORTED: find its tree (COMFYUI_PATHS, COMFYU
 <repo>/.carry/ComfyUI-*), check that the interpreter (COMFYUI_PYTHON, else this one) imports that
 tree's dependencies, then run ``-m pytest -q -m comfyui tests`` there with COMFYUI_PATH=<tree> and
 FLUX_NUMBA_IN_TREE_RUN=1; exit 0 passes.  Skips with the reason when no tree of the version is
-found or the interpreter cannot run it.  FLUX_NUMBA_TREE_TIMEOUT (s, default 2400) bounds one run.
+found or the interpreter cannot run it; a path given in COMFYUI_PATHS / COMFYUI_PATH that is not a
+ComfyUI tree fails test_explicit_comfyui_paths.  FLUX_NUMBA_TREE_TIMEOUT (s, default 2400) bounds one run.
 """
 import os
 import re
@@ -25,6 +26,14 @@ def _summary_line(out):
         if m:
             return m.group(1).strip(" =")
     return "(no pytest summary line)"
+
+
+def test_explicit_comfyui_paths():
+    """Every path given in COMFYUI_PATHS / COMFYUI_PATH is a ComfyUI tree: a wrong one fails here
+    (with the reason) instead of turning the per-version tests into skips.  Nothing given: nothing
+    to check (the trees in .carry/ComfyUI-* are found, not given)."""
+    errors = ct.explicit_path_errors()
+    assert not errors, "; ".join(errors)
 
 
 @pytest.mark.parametrize("version", ct.SUPPORTED, ids=["v" + v for v in ct.SUPPORTED])

@@ -21,7 +21,8 @@ DIST = {
     "llvmlite": "numba-cuda",  # numba's own dependency, version-locked by numba: not declared apart
 }
 # provided by the host (ComfyUI brings torch, and is the only place its own modules exist)
-HOST = {"torch", "comfy", "folder_paths", "server", "comfyui_version"}
+HOST = {"torch", "comfy", "folder_paths", "server", "comfyui_version",
+        "comfy_aimdo"}  # comfy-aimdo: ComfyUI v0.33's DynamicVRAM (imported only where ComfyUI runs it)
 # the pack's own modules (imported by name from the repo root or bench/)
 LOCAL = {"_pack", "flux_numba_pack", "gpu_vae"}
 
@@ -123,3 +124,26 @@ def test_license_and_registry_metadata():
         repo = d["project"]["urls"]["Repository"]
         with open(os.path.join(ROOT, "README.md")) as f:
             assert f"git clone {repo}" in f.read()  # the README clones the repository pyproject names
+
+
+def test_install_script_runs_before_requirements():
+    """install.py runs before anything of requirements.txt is there (ComfyUI-Manager may run it
+    alone): its imports are the standard library, and packaging with pip's copy as the fallback."""
+    with open(os.path.join(ROOT, "install.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    tops = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            tops |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            tops.add(node.module.split(".")[0])
+    assert tops - set(sys.stdlib_module_names) <= {"packaging", "pip"}, tops
+
+
+def test_requirements_leave_torchs_cuda_alone():
+    """requirements.txt never names torch, its CUDA wheels or a numba-cuda CUDA extra (those would
+    replace what ComfyUI's torch pins); install.py adds the CUDA pieces at torch's version."""
+    for req in requirements():
+        name = _name(req)
+        assert name != "torch" and not name.startswith(("nvidia-", "cuda-")), req
+        assert "[" not in req, req
