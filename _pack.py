@@ -34,3 +34,27 @@ def load(name: str = NAME):
         mod.__package__ = name
         sys.modules[name] = mod
     return mod
+
+
+# ---------------------------------------------------------------------------- CLI argument checks
+def nearest_existing(path):
+    """The path itself or its nearest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def file_out_problem(path, example="out.json"):
+    """Why ``path`` (a file a command writes later) cannot be written, or None; creates nothing
+    (run.py and bench.py check their output paths before any work)."""
+    if not path:
+        return "empty path"
+    if os.path.isdir(path):
+        return f"{path} is a folder; give a file name, e.g. {os.path.join(path, example)}"
+    base = nearest_existing(os.path.dirname(os.path.abspath(path)))
+    if not os.path.isdir(base):
+        return f"cannot write {path} ({base} is not a folder)"
+    if not os.access(base, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"cannot write {path} (permission denied)"
+    return None

@@ -143,24 +143,12 @@ def parse():
     return p, a
 
 
-def _nearest_existing(path):
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
 def check_file_out(p, opt, path):
     """Fail at once when ``path`` (a file to write later) cannot be written; creates nothing."""
-    if not path:
-        p.fail(f"argument {opt}: empty path")
-    if os.path.isdir(path):
-        p.fail(f"argument {opt}: {path} is a folder; give a file name, e.g. {os.path.join(path, 'bench.json')}")
-    base = _nearest_existing(os.path.dirname(os.path.abspath(path)))
-    if not os.path.isdir(base):
-        p.fail(f"argument {opt}: cannot write {path} ({base} is not a folder)")
-    if not os.access(base, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        p.fail(f"argument {opt}: cannot write {path} (permission denied)")
+    from _pack import file_out_problem
+    why = file_out_problem(path, "bench.json")
+    if why:
+        p.fail(f"argument {opt}: {why}")
 
 
 def check_args(p, a):

@@ -452,12 +452,18 @@ def requirement_lines(path=os.path.join(ROOT, "requirements.txt")):
 
 
 # ------------------------------------------------------------------------------ main
+def importable_torch(inst):
+    """torch_state, with a torch that is installed but does not import refused (never replaced)."""
+    state, version, detail = torch_state(inst)
+    if state == "broken":
+        raise Refused(f"torch {version} is installed but does not import ({detail}); install.py never replaces "
+                      "an installed torch: repair it (or use a fresh venv) and run install.py again")
+    return state, version, detail
+
+
 def cuda_step(dry):
     inst = installed()
-    state, version, cuda = torch_state(inst)
-    if state == "broken":
-        raise Refused(f"torch {version} is installed but does not import ({cuda}); install.py never replaces "
-                      "an installed torch: repair it (or the environment) and run install.py again")
+    state, version, cuda = importable_torch(inst)
     if state == "absent":
         print(PREFIX + "torch is not installed: no CUDA wheels added (ComfyUI's torch comes first; "
               "outside ComfyUI: install.py --standalone)")
@@ -485,11 +491,7 @@ def main(argv=None):
     standalone = a.standalone or a.tests
     try:
         if standalone:
-            inst = installed()
-            state, version, err = torch_state(inst)
-            if state == "broken":
-                raise Refused(f"torch {version} is installed but does not import ({err}); install.py never "
-                              "replaces an installed torch: repair it (or use a fresh venv) and run again")
+            state, version, err = importable_torch(installed())
             if state == "absent":
                 print(PREFIX + f"no torch installed: installing {TORCH_FOR_STANDALONE}")
                 checked_install([TORCH_FOR_STANDALONE], a.dry_run, loose=BUILD_TOOLS)

@@ -117,14 +117,6 @@ def parser():
     return p
 
 
-def _nearest_existing(path):
-    """The path itself or its nearest ancestor that exists."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
 def check_out(p, out):
     """Fail at once (before any work) when the output folder cannot be made or written; nothing
     is created here: the folder is made when the results are written, so a failed run leaves none."""
@@ -132,7 +124,8 @@ def check_out(p, out):
         p.fail("argument --out: empty path")
     if os.path.exists(out) and not os.path.isdir(out):
         p.fail(f"argument --out: {out} exists and is not a folder")
-    base = _nearest_existing(out)
+    from _pack import nearest_existing
+    base = nearest_existing(out)
     if not os.path.isdir(base):
         p.fail(f"argument --out: cannot create folder {out} ({base} is not a folder)")
     if not os.access(base, os.W_OK | os.X_OK):
@@ -141,15 +134,10 @@ def check_out(p, out):
 
 def check_write_model(p, path):
     """--write-model PATH must name a file that can be written."""
-    if not path:
-        p.fail("argument --write-model: empty path")
-    if os.path.isdir(path):
-        p.fail(f"argument --write-model: {path} is a folder; give a file name, e.g. {os.path.join(path, 'tiny.safetensors')}")
-    base = _nearest_existing(os.path.dirname(os.path.abspath(path)))
-    if not os.path.isdir(base):
-        p.fail(f"argument --write-model: cannot write {path} ({base} is not a folder)")
-    if not os.access(base, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        p.fail(f"argument --write-model: cannot write {path} (permission denied)")
+    from _pack import file_out_problem
+    why = file_out_problem(path, "tiny.safetensors")
+    if why:
+        p.fail(f"argument --write-model: {why}")
 
 
 def strict_json(x):

@@ -204,6 +204,22 @@ CASES = {
 }
 
 
+def _after_patch(c, mp, pm):
+    """(stock model, patched model) of a CASES entry: a LoRA added after the patch to both, a cache
+    node after both."""
+    stock_model = mp
+    if c.get("lora") == "after":
+        patches = _lora_patches(mp)
+        stock_model = mp.clone()
+        stock_model.add_patches(patches, 1.0)
+        pm = pm.clone()
+        pm.add_patches(patches, 1.0)
+    if c.get("cache"):
+        stock_model = _easycache(stock_model, c["cache"])
+        pm = _easycache(pm, c["cache"])
+    return stock_model, pm
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_sampling_runs_the_pack_and_equals_stock(comfy, case):
     c = CASES[case]
@@ -227,17 +243,7 @@ def test_sampling_runs_the_pack_and_equals_stock(comfy, case):
     if c.get("lora") == "before":
         mp = mp.clone()
         mp.add_patches(_lora_patches(mp), 1.0)
-    stock_model = mp
-    pm, = Patch().patch(mp, backend="torch", profile="exact")
-    if c.get("lora") == "after":
-        patches = _lora_patches(mp)
-        stock_model = mp.clone()
-        stock_model.add_patches(patches, 1.0)
-        pm = pm.clone()
-        pm.add_patches(patches, 1.0)
-    if c.get("cache"):
-        stock_model = _easycache(stock_model, c["cache"])
-        pm = _easycache(pm, c["cache"])
+    stock_model, pm = _after_patch(c, mp, Patch().patch(mp, backend="torch", profile="exact")[0])
     stock = _sample(stock_model, latent, **kw)
     got = _sample(pm, latent, **kw)
     st = patch_stats(pm)
@@ -693,17 +699,7 @@ def test_block_graphs_follow_residency_and_equal_stock(comfy, monkeypatch, case)
         latent = torch.randn(B, 16, h, w, generator=torch.Generator().manual_seed(3))
     if c.get("neg"):
         kw["neg"] = _cond(neg=True)
-    pm, = Patch().patch(mp, backend="torch", profile="exact", cuda_graph="auto")
-    stock_model = mp
-    if c.get("lora") == "after":
-        patches = _lora_patches(mp)
-        stock_model = mp.clone()
-        stock_model.add_patches(patches, 1.0)
-        pm = pm.clone()
-        pm.add_patches(patches, 1.0)
-    if c.get("cache"):
-        stock_model = _easycache(stock_model, c["cache"])
-        pm = _easycache(pm, c["cache"])
+    stock_model, pm = _after_patch(c, mp, Patch().patch(mp, backend="torch", profile="exact", cuda_graph="auto")[0])
     stock = _sample(stock_model, latent, **kw)
     moved["after"] = 4
     got = _sample(pm, latent, **kw)
