@@ -885,3 +885,25 @@ def test_graphs_stand_down_while_comfys_compiler_records(comfy, monkeypatch, cap
     fake.ACTIVE_MALLOC_GRAPHS.clear()
     _sample(pm, latent, steps=4)
     assert rec.graphs, "once the recording is over the block graphs come back"
+
+
+def test_repatching_reuses_the_runner_and_frees_other_fp8_copies(comfy):
+    """Re-running FluxNumbaPatch with the same model and options (a workflow that alternates) reuses
+    its runner -- graphs, attention choices -- and a switch frees the other runners' kept fp8 copies."""
+    from flux_numba_pack.nodes.patch import runner_of
+    from flux_numba_pack.flux_core import fast
+    if fast.support("cpu"):
+        pytest.skip(fast.support("cpu"))
+    mp = tiny_patcher(comfy, torch.float32)
+    latent = torch.zeros(1, 16, *TINY_LATENT[1:])
+    a, = Patch().patch(mp, backend="torch", profile="fast-cached")
+    _sample(a, latent)
+    ra = runner_of(a)
+    cache = [c for c in ra._fp8.values() if c is not None][0]
+    assert cache._cache, "fast-cached keeps fp8 copies"
+    a2, = Patch().patch(mp, backend="torch", profile="fast-cached")
+    assert runner_of(a2) is ra and cache._cache, "same model and options: the same runner, copies kept"
+    b, = Patch().patch(mp, backend="torch", profile="exact")
+    assert runner_of(b) is not ra and not cache._cache, "another patch of the model runs: copies freed"
+    got = _sample(Patch().patch(mp, backend="torch", profile="fast-cached")[0], latent)
+    assert cache._cache and torch.isfinite(got).all()
