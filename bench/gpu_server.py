@@ -536,7 +536,10 @@ def main():
                 r["peak_mib"] = mem.peak
                 runs.append(r)
                 print(f"[bench] {ver} {flags or '(default)'} {case} run {i + 1}: {r}", flush=True)
-            if prof_dir and proc.poll() is None:
+                if "Connection refused" in str(r.get("error", "")):
+                    alive = False  # the server is gone (it may still be writing its crash dump)
+                    break
+            if prof_dir and alive and proc.poll() is None:
                 for ci, case in enumerate(cases):
                     for ki, kind in enumerate(("cprofile", "torch")):
                         with open(os.path.join(prof_dir, "mode"), "w") as f:
