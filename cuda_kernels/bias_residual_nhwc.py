@@ -5,7 +5,7 @@
   bias [C] bf16 or fp32; residual None or a tensor like y.  y becomes y + bias (+ residual) and is
   returned.  Why: torch's cuDNN convolution adds its bias in a separate broadcast kernel
   (``elementwise_kernel<128, 4>``, not vectorised: 6.1 ms for the FLUX decoder's 39 convolutions at
-  1024^2, session 8 run a, against ~1.9 ms of bytes), and a ResnetBlock then adds the residual in one
+  1024^2, H200 2026-12-01 decoder run a, against ~1.9 ms of bytes), and a ResnetBlock then adds the residual in one
   more pass (1.0 ms).  Here both are one pass at copy bandwidth, and the sum is rounded once (fp32
   y + bias + residual -> bf16; stock rounds after the bias and again after the residual: the
   reference does the same).

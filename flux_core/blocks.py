@@ -80,7 +80,7 @@ def _mlp(mlp, x, ctx: Optional[BlockContext] = None):
 def _linear_rows(lin, x, ctx):
     """``lin(x)`` for x [B, L, K] whose rows are strided (a column slice of a wider buffer).
     torch's linear runs a non-contiguous 3-D input as matmul + a separate bias-add kernel (1.5 ms
-    of GPU time per FLUX step on the H200, session 2 run 7); addmm on the 2-D row view keeps the
+    of GPU time per FLUX step on the H200, 2026-11-29 run 7); addmm on the 2-D row view keeps the
     bias in the GEMM epilogue (run 9: kernel time 117.6 -> 114.6 ms/step).  But eagerly the addmm
     path costs more host time per call and the eager step became host-bound (126 -> 137 ms,
     runs 9-10), so it is used only while a CUDA graph is being captured (host cost then vanishes)."""

@@ -570,18 +570,17 @@ class FluxNumbaPatch:
                                    "a small quality loss; fp8-stored weights (weight_dtype fp8_e4m3fn, scaled fp8 "
                                    "checkpoints) are used as they are, bf16 weights are quantised again every "
                                    "step (no extra memory). "
-                                   "fast-cached: as fast, bf16 weights quantised once and kept -- ~8 ms/step "
-                                   "faster on an H200, costs an fp8 copy of the block weights on the GPU (~12 GB for "
-                                   "FLUX.1-dev)."}),
+                                   "fast-cached: as fast, bf16 weights quantised once and kept: faster, at the "
+                                   "cost of an fp8 copy of the block weights on the GPU (~12 GB for FLUX.1-dev)."}),
             "route_norms": ("BOOLEAN", {"default": True, "label_on": "on", "label_off": "off", "tooltip":
                                         "Route LayerNorm/modulate, q/k RMSNorm+RoPE, GELU and gated residuals "
                                         "through the pack's kernels (off: torch for those)."}),
             "attention": (ATTENTIONS, {"default": "auto", "tooltip":
-                                       "auto: the op registry decides (ComfyUI's attention when it picks torch). "
-                                       "sdpa: ComfyUI's own optimized_attention (honours --use-*-attention and "
-                                       "attention overrides). numba-bf16 / numba-8bit: the pack's kernels (correct, but "
-                                       "on an H200 0.62 ms (bf16, ~0.23% error) / 0.62 ms (8-bit, ~1.2% error) per FLUX attention call vs "
-                                       "cuDNN's 0.43: for testing, not speed; auto never picks them)."}),
+                                       "auto: the op registry decides per shape (ComfyUI's attention when it picks "
+                                       "torch's). sdpa: ComfyUI's own optimized_attention (honours --use-*-attention "
+                                       "and attention overrides). numba-bf16 / numba-8bit: the pack's own attention "
+                                       "kernels, forced (bf16, or int8 Q K^T with a small error); auto does not pick "
+                                       "them."}),
             "backend": (BACKENDS, {"default": "auto", "tooltip":
                                    "auto: fastest usable backend per op (measured once per shape on this GPU). "
                                    "torch: every op on its torch reference (faithful A/B baseline, also on CPU). "

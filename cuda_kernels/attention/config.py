@@ -10,7 +10,7 @@ nothing is read from the environment.
 Kernel families retired at tag ``attention-variants-pre-retire`` (correct, measured slower, the
 default on no GPU): one comment line each inside ``select_bf16`` / ``select_int8``.  The ablation
 flags (loads / softmax / P V / barrier / fence switched off) went with them; their numbers stay
-in BENCHMARKS.md (sessions 3-4) and the tag reproduces them.
+in BENCHMARKS.md (2026-11-29 attention sections) and the tag reproduces them.
 """
 from dataclasses import dataclass
 
