@@ -690,14 +690,11 @@ class ClockLog:
 
 
 def category(name):
-    n = name.lower()
-    if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "gemv", "splitk")):
-        return "gemm"
-    if any(k in n for k in ("flash", "fmha", "cudnn", "attention", "sdpa", "_attn")):
-        return "attention"
-    if "cudapy" in n or "numba" in n:
-        return "numba"
-    return "other"
+    """The kernel's category in the profile tables (``flux_core.harness.kernel_category``; the pack's
+    kernels are listed as "numba")."""
+    from flux_numba_pack.flux_core.harness import kernel_category
+    c = kernel_category(name)
+    return "numba" if c == "fused" else c
 
 
 def profile_forward(fn, label, top=22):

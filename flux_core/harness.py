@@ -1,4 +1,5 @@
-"""Shared pieces of the CLI and the benchmark: device/dtype choice, timing, agreement metrics."""
+"""Shared pieces of the CLI, the benchmark and the step timer: device/dtype choice, timing,
+agreement metrics, the kernel categories of a profile."""
 from __future__ import annotations
 
 import math
@@ -83,3 +84,31 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 def rel_err(ref: torch.Tensor, x: torch.Tensor) -> float:
     ref, x = ref.double(), x.double()
     return ((x - ref).norm() / ref.norm()).item()
+
+
+# ---------------------------------------------------------------------------------------------- profiles
+KERNEL_CATEGORIES = ("attention", "gemm", "fused", "other")
+_ATTN = ("attention", "flash", "fmha", "sdpa", "_efficient_attention", "cudnn_mha", "attn")
+_GEMM = ("gemm", "matmul", "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_addmm",
+         "cutlass", "nvjet", "xmma", "wgmma", "cublas", "gemv", "splitk", "sm90_", "sm80_", "ampere_", "hopper_")
+
+
+def is_pack_kernel(name: str) -> bool:
+    """A Numba kernel of this pack: mangled ``_ZN6cudapy...`` by older numba-cuda, demangled
+    ``...cuda_kernels::<module>::...`` by newer (whatever the pack's folder is called)."""
+    n = name.lower()
+    return "cudapy" in n or "numba" in n or "cuda_kernels::" in n
+
+
+def kernel_category(name: str, fused_names=()) -> str:
+    """attention (torch's, cuDNN's or the pack's attention kernels) / gemm / fused (the pack's other
+    kernels, or an op name in ``fused_names``) / other.  Attention is matched first: cuDNN's fused
+    attention kernels carry GEMM-like names (``sm90_``, ``wgmma``)."""
+    n = name.lower()
+    if any(a in n for a in _ATTN):
+        return "attention"
+    if is_pack_kernel(n) or any(f in n for f in fused_names):
+        return "fused"
+    if any(g in n for g in _GEMM):
+        return "gemm"
+    return "other"

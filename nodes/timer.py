@@ -277,11 +277,6 @@ def select_runs(selection: str = "last") -> List[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- profiling
-_ATTN = ("attention", "flash", "fmha", "sdpa", "_efficient_attention", "cudnn_mha", "attn")
-_GEMM = ("gemm", "matmul", "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_addmm",
-         "cutlass", "nvjet", "xmma", "wgmma", "cublas", "sm90_", "sm80_", "ampere_", "hopper_")
-
-
 def _fused_names():
     try:
         from ..cuda_kernels.registry import registry
@@ -291,21 +286,14 @@ def _fused_names():
 
 
 def is_numba_kernel(name: str) -> bool:
-    n = name.lower()
-    return "cudapy" in n or "numba" in n  # Numba kernels are mangled as _ZN6cudapy<module><function>...
+    from ..flux_core.harness import is_pack_kernel
+    return is_pack_kernel(name)
 
 
 def classify(name: str, fused_names=()) -> str:
-    """attention (torch's or the pack's Numba attention kernel) / gemm / fused (the pack's other Numba
-    kernels) / other."""
-    n = name.lower()
-    if any(a in n for a in _ATTN):
-        return "attention"
-    if is_numba_kernel(n) or any(f in n for f in fused_names):
-        return "fused"
-    if any(g in n for g in _GEMM):
-        return "gemm"
-    return "other"
+    """attention / gemm / fused (the pack's kernels) / other (``flux_core.harness.kernel_category``)."""
+    from ..flux_core.harness import kernel_category
+    return kernel_category(name, fused_names)
 
 
 def split_from_profiler(prof, on_cuda: bool, wall_ms: float) -> dict:
