@@ -108,6 +108,10 @@ class Fp8Weights:
         self._ones = {}
         self.quantised = 0  # weights (re)quantised into the cache so far: a LoRA change touches only its weights
 
+    def clear(self):
+        """Free the kept fp8 copies (made again on their next use)."""
+        self._cache.clear()
+
     def get(self, lin, w, b, epoch=None):
         if not self.keep:  # transient: the quantising rows kernel, one row per output channel
             q, s = ops.quantize_fp8(w.detach())

@@ -108,9 +108,7 @@ def _release_fp8_copies(model, current):
     ms of GPU work), so at most one copy per model stays on the GPU."""
     for key, r in list(_REUSE.items()):
         if r is not current and key[0] == id(model):
-            for c in r._fp8.values():
-                if c is not None:
-                    c._cache.clear()
+            r.drop_fp8_copies()
 
 
 def runner_of(model_patcher):
@@ -242,9 +240,12 @@ class _Runner:
             self.graphs.drop("the model was unloaded")
         if self.whole is not None:
             self.whole.drop()
+        self.drop_fp8_copies()
+
+    def drop_fp8_copies(self):
         for c in self._fp8.values():
             if c is not None:
-                c._cache.clear()
+                c.clear()
 
     def enable_block_graphs(self, capture_fn=None):
         self.graphs = self._graphs_mod.BlockGraphs(capture_fn)

@@ -52,7 +52,7 @@ import logging
 import torch
 
 from ..cuda_kernels import ops, registry, runtime
-from .host import op_weights
+from .host import drop_on_unload, op_weights
 
 log = logging.getLogger("flux_numba")
 
@@ -470,18 +470,11 @@ def patch_vae(vae, backend: str = "auto", layout: str = "nhwc", cuda_graph: str 
 
 
 def _drop_on_detach(patcher, graph):
-    """ComfyUI unloading the VAE (``ModelPatcher.detach(unpatch_all=True)``: weights back to the
-    offload device) frees the low-resolution graphs' memory.  ``load_models_gpu`` also detaches the
-    loaded patcher on every load with ``unpatch_all=False`` (weights stay put): graphs kept."""
-    def on_detach(mp, unpatch_all=True, *a, **k):
-        if unpatch_all:
-            graph.drop()
-    try:
-        import comfy.patcher_extension as pe
-        patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, "flux_numba_vae_graph", on_detach)
-    except Exception as e:  # an older host without patcher callbacks: the graphs live with the VAE
-        log.info("[flux_numba] %s: no detach callback (%s); the low-res graph lives as long as the VAE",
-                 NODE_ID, e)
+    """ComfyUI unloading the VAE frees the low-resolution graphs' memory (``host.drop_on_unload``:
+    ``load_models_gpu``'s per-load detach with ``unpatch_all=False`` keeps them)."""
+    if not drop_on_unload(patcher, "flux_numba_vae_graph", lambda: graph.drop()):
+        log.info("[flux_numba] %s: no detach callback on this host; the low-res graph lives as long as the VAE",
+                 NODE_ID)
 
 
 class FluxNumbaVAEPatch:
