@@ -43,7 +43,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ..cuda_kernels import registry
-from .graphs import _allocator_notes_silenced, drop_graph, no_host_syncs
+from .graphs import _allocator_notes_silenced, drop_graph, is_interrupt, no_host_syncs
 
 log = logging.getLogger("flux_numba")
 
@@ -105,10 +105,6 @@ class _Entry:
 
     def __init__(self, graph, weights, bufs, usage):
         self.graph, self.weights, self.bufs, self.usage = graph, weights, bufs, usage
-
-
-def _interrupt(e: BaseException) -> bool:
-    return type(e).__name__ == "InterruptProcessingException"
 
 
 class CudaCapture:
@@ -239,7 +235,7 @@ class BlockGraphs:
             with (prepare() if prepare is not None else contextlib.nullcontext()):
                 graph = self.capture_fn(body)
         except Exception as e:
-            if _interrupt(e):
+            if is_interrupt(e):
                 raise
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             self.failed[key] = why

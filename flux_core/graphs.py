@@ -55,6 +55,12 @@ def graph_blockers(module: torch.nn.Module, device: torch.device) -> List[str]:
     return why
 
 
+def is_interrupt(e: BaseException) -> bool:
+    """ComfyUI's cancel (``InterruptProcessingException``, raised inside any op): graph wrappers let
+    it propagate instead of treating it as a failed warm-up or capture."""
+    return type(e).__name__ == "InterruptProcessingException"
+
+
 _probe = threading.local()
 
 

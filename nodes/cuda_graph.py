@@ -100,7 +100,8 @@ class GraphWrapper:
         try:
             out = self.gf(x, timestep, context, *[v for v in (y, guidance) if v is not None], weights_key=wkey)
         except Exception as e:  # capture failed: never break sampling; not retried for this model
-            if type(e).__name__ == "InterruptProcessingException":
+            from ..flux_core.graphs import is_interrupt
+            if is_interrupt(e):
                 raise  # the user cancelled (ComfyUI's run_every_op inside an op): no reason to stop capturing
             self.gf = None
             self.failed = f"capture failed ({type(e).__name__}: {str(e)[:200]})"

@@ -269,7 +269,8 @@ def _is_oom(e):
 
 def _is_interrupt(e):
     """ComfyUI's "cancel" (raised by ``run_every_op`` inside any op): never a reason to change paths."""
-    return type(e).__name__ == "InterruptProcessingException"
+    from ..flux_core.graphs import is_interrupt
+    return is_interrupt(e)
 
 
 class LowResGraph:
