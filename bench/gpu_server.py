@@ -219,7 +219,7 @@ comfy.sd.VAE.decode = vae_decode
 NODE_CLASS_MAPPINGS = {}
 '''
 
-KEYS = ("fallback", "per-block", "profile fast", "FluxNumbaVAEPatch", "DynamicVRAM", "running ComfyUI's original block", "CUDA graph", "captured a CUDA graph", "is off for this model",
+KEYS = ("fallback", "kernel build", "building", "per-block", "profile fast", "FluxNumbaVAEPatch", "DynamicVRAM", "running ComfyUI's original block", "CUDA graph", "captured a CUDA graph", "is off for this model",
         "FluxNumbaPatch", "Traceback", "Error", "error", "terminate called", "freeAsync")
 
 

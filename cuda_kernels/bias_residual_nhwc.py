@@ -121,7 +121,7 @@ _launchers = {}
 
 
 def _launcher(*key):
-    return ik.cached_launcher(_launchers, key, lambda: make_kernel(*key))
+    return ik.cached_launcher(_launchers, key, make_kernel, *key)
 
 
 def _nhwc16(t):

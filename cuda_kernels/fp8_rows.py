@@ -154,7 +154,7 @@ _launchers = {}
 
 
 def _launcher(VEC, VW):
-    return ik.cached_launcher(_launchers, (VEC, VW), lambda: make_rows_kernel(VEC, NW_FOR[(VEC, VW)], VW))
+    return ik.cached_launcher(_launchers, (VEC, VW), make_rows_kernel, VEC, NW_FOR[(VEC, VW)], VW)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -132,7 +132,7 @@ _launchers = {}
 
 
 def _launcher(kind, VEC, VW):
-    return ik.cached_launcher(_launchers, (kind, VEC, VW), lambda: make_gated_kernel(VEC, NW_FOR[(VEC, VW)], VW))
+    return ik.cached_launcher(_launchers, (kind, VEC, VW), make_gated_kernel, VEC, NW_FOR[(VEC, VW)], VW)
 
 
 def check(x, gate, y):

@@ -116,7 +116,7 @@ def _split(Mw, NW):
 
 
 def _launcher(VEC, VW):
-    return ik.cached_launcher(_launchers, (VEC, VW), lambda: make_gelu_kernel(VEC, NW_FOR[(VEC, VW)], VW))
+    return ik.cached_launcher(_launchers, (VEC, VW), make_gelu_kernel, VEC, NW_FOR[(VEC, VW)], VW)
 
 
 def check(x, out=None):

@@ -488,7 +488,7 @@ _launchers = {}
 
 def _launcher(kind, *key):
     fac = make_stats_kernel if kind == "stats" else make_norm_kernel
-    return ik.cached_launcher(_launchers, (kind,) + key, lambda: fac(*key))
+    return ik.cached_launcher(_launchers, (kind,) + key, fac, *key)
 
 
 def _pow2_at_least(v):

@@ -316,7 +316,7 @@ _launchers = {}
 
 def _launcher(kind, *key):
     fac = {"part": make_part_kernel, "norm": make_norm_kernel}[kind]
-    return ik.cached_launcher(_launchers, (kind,) + key, lambda: fac(*key))
+    return ik.cached_launcher(_launchers, (kind,) + key, fac, *key)
 
 
 def _chunks(N, HW, R):

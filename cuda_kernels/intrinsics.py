@@ -28,6 +28,7 @@ Nothing here compiles at import; importing works without numba (``NUMBA_OK`` is 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import struct
@@ -601,18 +602,39 @@ class Launcher:
     (benchmarks compare the two by setting ``_FAST_OK``).
     """
 
-    __slots__ = ("factory", "kernel", "_cfg", "_fast")
+    __slots__ = ("factory", "args", "kernel", "_cfg", "_fast")
 
-    def __init__(self, factory):
-        self.factory = factory  # () -> numba dispatcher; called on first launch only
+    def __init__(self, factory, *args):
+        self.factory = factory  # factory(*args) -> numba dispatcher; called on first launch only
+        self.args = args
         self.kernel = None
         self._cfg = {}
         self._fast = {} if _FAST_OK else None
 
-    def __call__(self, grid, block, *args):
+    def dispatcher(self):
+        """The numba dispatcher (``factory(*args)``, made once)."""
         k = self.kernel
         if k is None:
-            k = self.kernel = self.factory()
+            k = self.kernel = self.factory(*self.args)
+        return k
+
+    def recipe(self):
+        """(module, qualname, args) that rebuild this launcher's kernel in another process -- the
+        factory must be a module-level function and its args plain values -- or None."""
+        f = self.factory
+        mod, qn = getattr(f, "__module__", None), getattr(f, "__qualname__", "")
+        if not mod or "<" in qn or not all(isinstance(a, (int, str, bool)) for a in self.args):
+            return None
+        return mod, qn, self.args
+
+    def __call__(self, grid, block, *args):
+        col = getattr(_COLLECT, "jobs", None)
+        if col is not None:  # planning the kernels to build (prebuild.plan): record, launch nothing
+            col.append((self, signature(args)))
+            return
+        k = self.kernel
+        if k is None:
+            k = self.dispatcher()
         fast = self._fast
         if fast is not None:
             key = tuple((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else type(a) for a in args)
@@ -644,6 +666,8 @@ class Launcher:
                 self._cfg.clear()
             # (the simulator's kernel[...] configures and returns the kernel object itself: a cached
             # configuration would launch with the grid of the latest one, so it is never reused there)
+            if not SIMULATOR:
+                compile_gate()
             cfg = k[grid, block, st]
             if not SIMULATOR:
                 self._cfg[key] = cfg
@@ -655,16 +679,14 @@ class Launcher:
         the simulator or when numba cannot say.  For grids sized to fill the GPU exactly once."""
         if SIMULATOR or not NUMBA_OK:
             return None
+        col = getattr(_COLLECT, "jobs", None)
+        if col is not None:  # planning: the kernel is recorded, no answer yet
+            col.append((self, signature(args)))
+            return None
         try:
-            from numba import types as nt_
-            dts = {torch.int16: nt_.int16, torch.bfloat16: nt_.int16, torch.float16: nt_.int16,
-                   torch.int64: nt_.int64, torch.int32: nt_.int32, torch.uint8: nt_.uint8,
-                   torch.float32: nt_.float32}
-            sig = tuple(nt_.Array(dts[a.dtype], a.dim(), "A") if isinstance(a, torch.Tensor)
-                        else nt_.int64 if type(a) is int else nt_.float32 for a in args)
-            if self.kernel is None:
-                self.kernel = self.factory()
-            fn = self.kernel.compile(sig)._codelibrary.get_cufunc()
+            sig = signature(args)
+            compile_gate()
+            fn = self.dispatcher().compile(sig)._codelibrary.get_cufunc()
             n = cuda.current_context().get_active_blocks_per_multiprocessor(fn, nt, 0)
             return int(n[-1] if isinstance(n, tuple) else n)
         except Exception:  # pragma: no cover - GPU only
@@ -673,18 +695,8 @@ class Launcher:
     def _compile_fast(self, args):
         global _FAST_OK
         try:
-            from numba import types as nt
-            sig = []
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    sig.append(nt.Array(_NB_DTYPES[a.dtype], a.dim(), "A"))
-                elif type(a) is int:
-                    sig.append(nt.int64)
-                elif isinstance(a, _np.float32):
-                    sig.append(nt.float32)
-                else:
-                    raise TypeError(f"fast launch: unsupported argument {type(a).__name__}")
-            kern = self.kernel.compile(tuple(sig))
+            compile_gate()
+            kern = self.kernel.compile(signature(args))
             if getattr(kern, "cooperative", False):
                 raise TypeError("cooperative kernel")
             return kern._codelibrary.get_cufunc().kernel
@@ -697,13 +709,64 @@ class Launcher:
             return False
 
 
-def cached_launcher(cache: dict, key, make):
-    """``cache[key]``, made on first use as ``Launcher(make)`` -- each op keeps one Launcher per
-    compile-time constant set (its module's ``_launchers``, which tests inspect)."""
+def cached_launcher(cache: dict, key, factory, *args):
+    """``cache[key]``, made on first use as ``Launcher(factory, *args)`` -- each op keeps one
+    Launcher per compile-time constant set (its module's ``_launchers``, which tests inspect).
+    ``factory`` a module-level function and ``args`` plain values, so that a worker process can
+    build the same kernel (``prebuild``)."""
     la = cache.get(key)
     if la is None:
-        la = cache[key] = Launcher(make)
+        la = cache[key] = Launcher(factory, *args)
     return la
+
+
+# planning mode (prebuild.plan): this thread's Launchers record (launcher, signature) instead of
+# launching; ``jobs`` is the list they append to
+import threading as _threading  # noqa: E402
+_COLLECT = _threading.local()
+
+
+@contextlib.contextmanager
+def collecting():
+    """Within: this thread's Launcher calls record ``(launcher, numba signature)`` into the
+    yielded list and launch nothing (outputs stay unwritten)."""
+    prev = getattr(_COLLECT, "jobs", None)
+    jobs = _COLLECT.jobs = []
+    try:
+        yield jobs
+    finally:
+        _COLLECT.jobs = prev
+
+
+def planning() -> bool:
+    """True inside ``collecting()`` on this thread (answers such as occupancy are not final)."""
+    return getattr(_COLLECT, "jobs", None) is not None
+
+
+def _no_gate():
+    return None
+
+
+compile_gate = _no_gate  # prebuild installs its wait here: no compile while workers build kernels
+
+
+def signature(args):
+    """numba argument types of a launch: layout-'A' arrays for tensors (16-bit floats as int16 bit
+    views), int64 for ints, float32 for numpy.float32."""
+    from numba import types as nt
+    dts = {torch.int16: nt.int16, torch.bfloat16: nt.int16, torch.float16: nt.int16, torch.int64: nt.int64,
+           torch.float32: nt.float32, torch.int32: nt.int32, torch.uint8: nt.uint8}
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append(nt.Array(dts[a.dtype], a.dim(), "A"))
+        elif type(a) is int:
+            sig.append(nt.int64)
+        elif isinstance(a, _np.float32):
+            sig.append(nt.float32)
+        else:
+            raise TypeError(f"kernel argument of type {type(a).__name__}")
+    return tuple(sig)
 
 
 def _arg(a):
@@ -765,12 +828,8 @@ if NUMBA_OK and not SIMULATOR:
     try:
         from ctypes import c_float as _c_float
 
-        from numba import int16 as _i16, int32 as _i32, int64 as _i64, float32 as _f32, uint8 as _u8
         from numba.cuda.dispatcher import launch as _cuda_launch, LaunchConfig as _LaunchConfig
         from numba.cuda._compat import CUDA_CORE_GE_1_0 as _GE10
-
-        _NB_DTYPES = {torch.int16: _i16, torch.bfloat16: _i16, torch.float16: _i16,
-                      torch.int64: _i64, torch.float32: _f32, torch.int32: _i32, torch.uint8: _u8}
 
         def _launch_config(grid, block):
             if _GE10:

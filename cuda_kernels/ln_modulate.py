@@ -319,7 +319,7 @@ def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps, qsc=None):
         qsc = ow  # unused by the bf16 kernel
     if PIPE_BLOCKS[GATED] > 0 and VEC == 4 and VW == 2:
         key = ("pipe", GATED) + tail
-        la = ik.cached_launcher(_launchers, key, lambda: make_row_kernel(4, NW_FOR[(4, 2)], GATED, 2, 1, 1, FP8))
+        la = ik.cached_launcher(_launchers, key, make_row_kernel, 4, NW_FOR[(4, 2)], GATED, 2, 1, 1, FP8)
         ny = L
         if xw.is_cuda:  # enough blocks to fill the GPU once, each striding over several rows
             dev = xw.device.index if xw.device.index is not None else torch.cuda.current_device()
@@ -344,14 +344,16 @@ def _resident(key, la, nt, cap, args, fallback):
     hit = _occupancy.get(k)
     if hit is None:
         occ = la.occupancy(nt, *args)
-        hit = _occupancy[k] = (fallback if not occ else max(1, min(cap, occ)), occ)
+        hit = (fallback if not occ else max(1, min(cap, occ)), occ)
+        if not ik.planning():  # a planning pass gets no answer: ask again when it runs
+            _occupancy[k] = hit
     return hit[0]
 
 
 def _launcher(VEC, GATED, VW=1, FP8=0):
     late = int(LATE_VEC[GATED])
     key = (VEC, GATED, VW) + ((late,) if late else ()) + (("fp8",) if FP8 else ())
-    return ik.cached_launcher(_launchers, key, lambda: make_row_kernel(VEC, NW_FOR[(VEC, VW)], GATED, VW, late, 0, FP8))
+    return ik.cached_launcher(_launchers, key, make_row_kernel, VEC, NW_FOR[(VEC, VW)], GATED, VW, late, 0, FP8)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -238,7 +238,7 @@ _dummy_pe = {}
 
 
 def _launcher(VW):
-    return ik.cached_launcher(_launchers, VW, lambda: make_qk_kernel(VW))
+    return ik.cached_launcher(_launchers, VW, make_qk_kernel, VW)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -643,8 +643,9 @@ _q8_scratch = {}
 
 
 def _q_launcher(name):
-    return ik.cached_launcher(_q_launchers, name, {"kmean": make_kmean_kernel, "quant": make_qk_kernel_q,
-                                                   "quant_q": lambda: make_qk_kernel_q(False)}[name])
+    fac, args = {"kmean": (make_kmean_kernel, ()), "quant": (make_qk_kernel_q, ()),
+                 "quant_q": (make_qk_kernel_q, (False,))}[name]
+    return ik.cached_launcher(_q_launchers, name, fac, *args)
 
 
 def _q8_buffers(B, H, Lp, D, dev):

@@ -71,7 +71,7 @@ _launchers = {}
 
 
 def _launcher(CC):
-    return ik.cached_launcher(_launchers, CC, lambda: make_kernel(CC))
+    return ik.cached_launcher(_launchers, CC, make_kernel, CC)
 
 
 def check(x):

@@ -30,10 +30,18 @@ def _cache_files() -> set:
 
 
 FP8_OPS = ("ln_modulate_fp8", "gated_residual_ln_modulate_fp8", "quantize_fp8", "gelu_tanh_fp8", "attn_gelu_fp8")
+VAE_OPS = ("groupnorm_silu_nhwc", "upsample_nearest2x", "bias_residual_nhwc", "vae_attention", "groupnorm_silu")
+# the FLUX VAE decoder's channel counts (ch 128, mult 1,2,4,4) and where each NHWC op meets them
+VAE_CHANNELS = (128, 256, 512)
+VAE_UPSAMPLE_CHANNELS = (256, 512)
 
 
-def warm_calls(device) -> List[Tuple[str, str, Callable]]:
-    """(op, backend, call) for every Numba backend, at small shapes with FLUX's widths."""
+def warm_calls(device, call=None) -> List[Tuple[str, str, Callable]]:
+    """(op, backend, fn) for every Numba backend, at small shapes with FLUX's widths (and the FLUX
+    VAE decoder's channel counts, each variant the NHWC decoder calls).  ``fn()`` runs the op
+    through ``call(op, *args, **kw)`` -- ``registry.call`` unless given (``prebuild.plan`` calls
+    the backend itself)."""
+    c = call or registry.call
     dev, bf = torch.device(device), torch.bfloat16
     H, D, C, M, L = 24, 128, 3072, 12288, 80
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -46,44 +54,48 @@ def warm_calls(device) -> List[Tuple[str, str, Callable]]:
     lin1, buf = r(1, L, 3 * C + M), torch.empty(1, L, C + M, device=dev, dtype=bf)
     q = r(1, H, L, D)
     gn, w = r(1, 128, 16, 16), torch.ones(128, device=dev, dtype=bf)
+    nhwc = lambda ch, hw=4: r(1, ch, hw, hw).contiguous(memory_format=torch.channels_last)
     calls = [
-        ("ln_modulate", "numba", lambda: registry.call("ln_modulate", x, sh, sc, 1e-6)),
-        ("gated_residual", "numba", lambda: registry.call("gated_residual", x.clone(), gt, y)),
-        ("gated_residual_ln_modulate", "numba", lambda: registry.call("gated_residual_ln_modulate", x.clone(), gt, y, sh, sc, 1e-6)),
-        ("qk_norm_rope", "numba", lambda: registry.call("qk_norm_rope", [(qkv_t, s, s), (qkv_i, s, s)], pe, H, 1e-6)),
-        ("gelu_tanh", "numba", lambda: registry.call("gelu_tanh", lin1[..., 3 * C:], out=buf[..., C:])),
-        ("attention", "numba", lambda: registry.call("attention", q, q, q, None)),
-        ("attention", "numba-8bit", lambda: _warm_8bit(qkv_t, qkv_i, s, pe, H, q)),
-        ("groupnorm_silu", "numba", lambda: registry.call("groupnorm_silu", gn, 32, w, w, 1e-6, True)),
-        # the NHWC VAE decoder's kernels (specialised per channel count: the decoder's three)
+        ("ln_modulate", "numba", lambda: c("ln_modulate", x, sh, sc, 1e-6)),
+        ("gated_residual", "numba", lambda: c("gated_residual", x.clone(), gt, y)),
+        ("gated_residual_ln_modulate", "numba", lambda: c("gated_residual_ln_modulate", x.clone(), gt, y, sh, sc, 1e-6)),
+        ("qk_norm_rope", "numba", lambda: c("qk_norm_rope", [(qkv_t, s, s), (qkv_i, s, s)], pe, H, 1e-6)),
+        ("gelu_tanh", "numba", lambda: c("gelu_tanh", lin1[..., 3 * C:], out=buf[..., C:])),
+        ("attention", "numba", lambda: c("attention", q, q, q, None)),
+        ("attention", "numba-8bit", lambda: _warm_8bit(c, qkv_t, qkv_i, s, pe, H, q)),
+        ("groupnorm_silu", "numba", lambda: c("groupnorm_silu", gn, 32, w, w, 1e-6, True)),
+        # the NHWC VAE decoder's kernels (specialised per channel count): GroupNorm(+SiLU) alone and
+        # with the previous conv's bias folded in, the attention block's norm without SiLU
         ("groupnorm_silu_nhwc", "numba", lambda: [
-            registry.call("groupnorm_silu_nhwc", t, 32, t.new_ones(c), t.new_zeros(c), 1e-6, silu)
-            for c, silu in ((128, True), (256, True), (512, True), (512, False))
-            for t in [r(1, c, 4, 4).contiguous(memory_format=torch.channels_last)]]),
-        ("upsample_nearest2x", "numba", lambda: [
-            registry.call("upsample_nearest2x", r(1, c, 4, 4).contiguous(memory_format=torch.channels_last))
-            for c in (256, 512)]),
+            c("groupnorm_silu_nhwc", t, 32, t.new_ones(ch), t.new_zeros(ch), 1e-6, silu, **kw)
+            for ch in VAE_CHANNELS for silu, kw in ((True, {}), (True, {"pre_bias": r(ch)}))
+            for t in [nhwc(ch)]] + [
+            c("groupnorm_silu_nhwc", t, 32, t.new_ones(512), t.new_zeros(512), 1e-6, False) for t in [nhwc(512)]]),
+        ("upsample_nearest2x", "numba", lambda: [c("upsample_nearest2x", nhwc(ch)) for ch in VAE_UPSAMPLE_CHANNELS]),
+        ("bias_residual_nhwc", "numba", lambda: [
+            c("bias_residual_nhwc", nhwc(ch), r(ch), *res) for ch in VAE_CHANNELS for res in ((), (nhwc(ch),))]),
+        ("vae_attention", "numba", lambda: c("vae_attention", nhwc(512), nhwc(512), nhwc(512))),
         # the fast profile's quantising kernels (FP8_OPS: warmed only for that profile)
-        ("ln_modulate_fp8", "numba", lambda: registry.call("ln_modulate_fp8", x, sh, sc, 1e-6)),
+        ("ln_modulate_fp8", "numba", lambda: c("ln_modulate_fp8", x, sh, sc, 1e-6)),
         ("gated_residual_ln_modulate_fp8", "numba",
-         lambda: registry.call("gated_residual_ln_modulate_fp8", x.clone(), gt, y, sh, sc, 1e-6)),
-        ("quantize_fp8", "numba", lambda: registry.call("quantize_fp8", x)),
-        ("gelu_tanh_fp8", "numba", lambda: registry.call("gelu_tanh_fp8", lin1[..., 3 * C:])),
-        ("attn_gelu_fp8", "numba", lambda: registry.call("attn_gelu_fp8", lin1[..., 2 * C:3 * C], lin1[..., 3 * C:])),
+         lambda: c("gated_residual_ln_modulate_fp8", x.clone(), gt, y, sh, sc, 1e-6)),
+        ("quantize_fp8", "numba", lambda: c("quantize_fp8", x)),
+        ("gelu_tanh_fp8", "numba", lambda: c("gelu_tanh_fp8", lin1[..., 3 * C:])),
+        ("attn_gelu_fp8", "numba", lambda: c("attn_gelu_fp8", lin1[..., 2 * C:3 * C], lin1[..., 3 * C:])),
     ]
     return [(op, b, fn) for op, b, fn in calls if op in registry.ops and b in registry.backends(op)]
 
 
-def _warm_8bit(qkv_t, qkv_i, s, pe, H, q):
+def _warm_8bit(c, qkv_t, qkv_i, s, pe, H, q):
     """Both 8-bit paths: the pre-pass one (any caller's q/k) and the blocks' fused one
     (qk_norm_rope's int8 pack -- Q only when the selected kernel quantizes K itself -- and the
     per-token-scale attention kernel), as flux_core.blocks asks for them."""
     from . import attention
-    registry.call("attention", q, q, q, None)
+    c("attention", q, q, q, None)
     want = "qk" if attention.int8_wants_k(q.device, q.shape[-1]) else "q"
-    qq, kk, vv, pack = registry.call("qk_norm_rope", [(qkv_t, s, s), (qkv_i, s, s)], pe, H, 1e-6, quant8=want)
+    qq, kk, vv, pack = c("qk_norm_rope", [(qkv_t, s, s), (qkv_i, s, s)], pe, H, 1e-6, quant8=want)
     if pack is not None:
-        registry.call("attention", qq, kk, vv, None, q8=pack)
+        c("attention", qq, kk, vv, None, q8=pack)
 
 
 def warm_all(device="cuda", on_begin: Callable = None, on_step: Callable = None, backends=None) -> Dict[str, dict]:

@@ -34,6 +34,7 @@ def _discover():
 NODE_CLASS_MAPPINGS = {}
 NODE_DISPLAY_NAME_MAPPINGS = {}
 LOAD_ERRORS = {}  # module -> "ExcType: message"
+_nodes_loaded = []
 
 for _name in _discover():
     try:
@@ -54,5 +55,23 @@ for _name in _discover():
         log.warning("[flux_numba] node module %s redefines %s", _name, sorted(_dup))
     NODE_CLASS_MAPPINGS.update(getattr(_mod, "NODE_CLASS_MAPPINGS", {}))
     NODE_DISPLAY_NAME_MAPPINGS.update(getattr(_mod, "NODE_DISPLAY_NAME_MAPPINGS", {}))
+    _nodes_loaded.append(_name)
+
+def _start_kernel_build():
+    """Build the kernels the default graph runs in background processes from ComfyUI's start on
+    (``cuda_kernels.prebuild``), on the CUDA device ComfyUI runs models on; nothing otherwise."""
+    try:
+        from .host import compute_device
+        dev = compute_device()
+        if dev is None or dev.type != "cuda":
+            return
+        from ..cuda_kernels import prebuild
+        prebuild.start(dev)
+    except Exception as e:  # the kernels then compile where they are first used
+        log.info("[flux_numba] background kernel build not started (%s: %s)", type(e).__name__, e)
+
+
+if "patch" in _nodes_loaded:
+    _start_kernel_build()
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "LOAD_ERRORS"]

@@ -59,6 +59,16 @@ def comfy_version() -> str:
 
 
 # ----------------------------------------------------------------------------- weights
+def compute_device() -> Optional[torch.device]:
+    """The device ComfyUI runs models on (``comfy.model_management.get_torch_device``), None when
+    ComfyUI is not importable or says nothing (``--cpu`` gives a CPU device)."""
+    try:
+        import comfy.model_management as mm
+        return torch.device(mm.get_torch_device())
+    except Exception:
+        return None
+
+
 def _is_comfy_op(m) -> bool:
     import comfy.ops
     return isinstance(m, comfy.ops.CastWeightBiasOp)

@@ -514,7 +514,7 @@ def _use_stock_rope():
 def warm_kernels(unique_id, opts) -> dict:
     """Compile (or load from the on-disk cache) the kernels this patch may use, with progress on the
     node; failures are reported (the ops then run on torch), never raised."""
-    from ..cuda_kernels import warmup
+    from ..cuda_kernels import prebuild, warmup
     from .progress import compile_progress
     want_attn = {"numba-bf16": {"numba"}, "numba-8bit": {"numba-8bit"}}.get(
         opts["attention"], {"numba"} if opts["backend"] == "numba" and opts["attention"] != "sdpa" else set())
@@ -525,8 +525,14 @@ def warm_kernels(unique_id, opts) -> dict:
     calls = [c for c in warmup.warm_calls("cuda")
              if (c[0] in warmup.FP8_OPS and fp8)
              or (c[0] == "attention" and c[1] in want_attn)
-             or (c[0] not in warmup.FP8_OPS and c[0] != "attention" and opts["route_norms"])]
+             or (c[0] not in warmup.FP8_OPS + warmup.VAE_OPS and c[0] != "attention" and opts["route_norms"])]
     with compile_progress(unique_id, total=len(calls)) as prog:
+        build = prebuild.current()
+        if build is not None and not build.done.is_set():  # started at ComfyUI's start: wait for it
+            prog.text("FluxNumba kernels: waiting for the background build (first start after an install "
+                      "or update) ...")
+            prebuild.wait(on_progress=lambda done, total: prog.text(
+                f"FluxNumba kernels: background build {done}/{total} ..."))
         res = warmup.warm_all("cuda", backends={(c[0], c[1]) for c in calls}, on_begin=prog.begin,
                               on_step=lambda name, cached, dt, err: prog.step(name + (f" FAILED ({err})" if err else ""),
                                                                               cached=cached))

@@ -1,0 +1,187 @@
+"""The background kernel build (cuda_kernels.prebuild / prebuild_worker): planning records what the
+ops would compile and launches nothing; every planned kernel has a recipe a worker can rebuild; a
+worker compiles a kernel without a GPU into numba's cache payload; a failing job is reported and
+the others still build; a compile waits for a running build."""
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from flux_numba_pack.cuda_kernels import intrinsics as ik
+from flux_numba_pack.cuda_kernels import prebuild, prebuild_worker, warmup
+from flux_numba_pack.cuda_kernels import ln_modulate as LM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNELS = os.path.join(ROOT, "cuda_kernels")
+
+
+def _resolve(recipe):
+    import importlib
+    mod, qn, args = recipe
+    f = importlib.import_module(mod)
+    for part in qn.split("."):
+        f = getattr(f, part)
+    return f, args
+
+
+def test_collecting_records_and_launches_nothing():
+    x = torch.randn(1, 8, 64).to(torch.bfloat16)
+    sh, sc = torch.randn(1, 1, 64).to(torch.bfloat16), torch.randn(1, 1, 64).to(torch.bfloat16)
+    out = LM.numba_ln_modulate(x, sh, sc)  # compiles nothing in the simulator; a reference run
+    assert torch.isfinite(out.float()).all()
+    poison = torch.full_like(x, float("nan"))
+    with ik.collecting() as jobs:
+        B = x.shape[0]
+        VEC, VW, (xw, ow, shw, scw) = LM.vec_views(x, poison, sh, sc)
+        LM.launch_rows(0, VEC, VW, xw, xw, shw, shw, scw, ow, 1e-6)
+    assert torch.isnan(poison.float()).all(), "a planning pass must not launch"
+    assert jobs and all(isinstance(la, ik.Launcher) for la, _ in jobs)
+    la, sig = jobs[0]
+    assert len(sig) == 8 and str(sig[-1]) == "float32" and sig[0].ndim == 3
+    assert not ik.planning()
+
+
+def test_recipes_rebuild_the_same_factory():
+    la = LM._launcher(4, 0, 2, 0)
+    rec = la.recipe()
+    assert rec is not None and rec[1] == "make_row_kernel"
+    f, args = _resolve(rec)
+    assert f is LM.make_row_kernel and args == la.args
+    assert ik.Launcher(lambda: None).recipe() is None  # a lambda cannot be rebuilt elsewhere
+
+
+def test_plan_covers_the_default_ops_with_recipes():
+    jobs = prebuild.plan("cpu")
+    assert jobs, "the warm-up calls planned no kernel"
+    mods = {j.recipe[0].rsplit(".", 1)[-1] for j in jobs}
+    for m in ("ln_modulate", "gated_residual", "qk_norm_rope", "gelu_tanh", "groupnorm_silu_nhwc",
+              "upsample_nearest2x", "bias_residual_nhwc", "vae_attention", "fp8_rows"):
+        assert m in mods, f"{m} not planned ({sorted(mods)})"
+    assert not any("attention/" in j.recipe[0].replace(".", "/") for j in jobs)  # built on use
+    keys = set()
+    for j in jobs:
+        f, args = _resolve(j.recipe)
+        assert callable(f)
+        json.dumps(j.spec())  # what goes to the workers is plain JSON
+        keys.add((j.recipe, tuple(map(str, j.sig))))
+    assert len(keys) == len(jobs), "a kernel was planned twice"
+    # the VAE decoder's three channel counts and both pre-bias variants of its GroupNorm
+    gn = {j.recipe[2] for j in jobs if j.recipe[1] == "make_part_kernel"}
+    assert len(gn) >= 4, gn
+
+
+def test_plan_leaves_no_state_behind():
+    before = dict(LM._occupancy)
+    prebuild.plan("cpu")
+    assert LM._occupancy == before  # no occupancy answer is cached from a planning pass
+    assert not ik.planning()
+
+
+def test_gate_waits_for_a_running_build(monkeypatch):
+    class FakeBuild:
+        def __init__(self):
+            self.done = threading.Event()
+            self.thread = None
+            self.waited = 0
+
+        def wait(self, timeout, on_progress=None):
+            self.waited += 1
+            return self.done.wait(timeout)
+
+    b = FakeBuild()
+    monkeypatch.setattr(prebuild, "_build", b)
+    t = threading.Timer(0.2, b.done.set)
+    t.start()
+    t0 = time.perf_counter()
+    prebuild._gate()
+    assert b.done.is_set() and time.perf_counter() - t0 >= 0.15 and b.waited == 1
+    prebuild._gate()  # done: no wait
+    assert b.waited == 1
+    b2 = FakeBuild()
+    b2.thread = threading.current_thread()  # the build's own thread never waits for itself
+    monkeypatch.setattr(prebuild, "_build", b2)
+    prebuild._gate()
+    assert b2.waited == 0
+
+
+def test_start_declines_without_a_gpu():
+    assert prebuild.start() is None  # the simulator / no CUDA: nothing started, nothing gated
+    assert ik.compile_gate is ik._no_gate or prebuild.current() is None
+
+
+def _plan_file(tmp_path, jobs, cc=(9, 0)):
+    plan = {"package": "flux_numba_pack", "root": ROOT, "cc": list(cc), "jobs": jobs}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+
+
+def _run_worker(tmp_path, offset=0):
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, os.path.join(KERNELS, "prebuild_worker.py"), str(tmp_path), str(offset)],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_worker_usage_line():
+    r = subprocess.run([sys.executable, os.path.join(KERNELS, "prebuild_worker.py")], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_worker_reports_a_bad_job_and_builds_the_rest(tmp_path):
+    """Without NVVM the good job fails too (reported the same way); with it, it builds (next test)."""
+    jobs = [["flux_numba_pack.cuda_kernels.no_such_module", "make", [], [["int64"]]],
+            ["flux_numba_pack.cuda_kernels.ln_modulate", "no_such_factory", [], [["int64"]]]]
+    _plan_file(tmp_path, jobs)
+    r = _run_worker(tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert sorted(rec["job"] for rec in lines) == [0, 1]
+    assert all("error" in rec for rec in lines)
+    assert (tmp_path / "0.err").exists() and (tmp_path / "1.err").exists()
+    assert (tmp_path / "0.claim").exists() and (tmp_path / "1.claim").exists()
+    # a second worker finds everything claimed and builds nothing
+    r2 = _run_worker(tmp_path, 1)
+    assert r2.returncode == 0 and not r2.stdout.strip()
+
+
+def test_worker_builds_a_kernel_without_a_gpu(tmp_path):
+    from _toolkit import missing_toolkit
+    why = missing_toolkit()
+    if why:
+        pytest.skip(f"the worker compiles through NVVM / nvJitLink: {why}")
+    from numba.core import types as nt
+    la = LM._launcher(4, 0, 2, 0)
+    sig = (nt.Array(nt.int64, 3, "A"),) * 7 + (nt.float32,)
+    mod, qn, args = la.recipe()
+    _plan_file(tmp_path, [[mod, qn, list(args), prebuild_worker.sig_spec(sig)]])
+    r = _run_worker(tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "error" not in rec, rec
+    # unpickle in a process with the simulator off (the payload holds numba-cuda objects)
+    probe = ("import pickle, sys; sys.path.insert(0, %r); import _pack; _pack.load(); "
+             "d = pickle.loads(open(%r, 'rb').read()); cl = d['codelibrary']; "
+             "print(sorted(cl._cubin_cache), sorted(cl._ptx_cache), d['name'])"
+             % (ROOT, str(tmp_path / "0.bin")))
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "(9, 0, 'a')" in p.stdout and "15make_row_kernel" in p.stdout, p.stdout
+
+
+def test_full_cc_matches_numba():
+    assert prebuild_worker.full_cc((9, 0)) == (9, 0, "a")
+    assert prebuild_worker.full_cc((8, 9)) == (8, 9, "")
+    assert prebuild_worker.full_cc((12, 0)) == (12, 0, "a")
+
+
+def test_warm_calls_route_through_the_given_call():
+    seen = []
+    for op, backend, fn in warmup.warm_calls("cpu", call=lambda name, *a, **k: seen.append(name)):
+        if op in ("ln_modulate", "bias_residual_nhwc"):
+            fn()
+    assert seen.count("ln_modulate") == 1 and seen.count("bias_residual_nhwc") == 6
