@@ -76,11 +76,19 @@ def keyed_on_sources(disp):
     mtime/size: an edit of a device function in another file (intrinsics.py) would load a stale
     kernel, and two kernels that differ only in jit options (launch_bounds) would share an entry.
     With the hash and the options in the index key a changed tree simply misses (and
-    recompiles once)."""
+    recompiles once).
+
+    numba hashes the closure values by pickling them, and a device function (a dispatcher) in a
+    kernel's closure pickles differently in every process: such a kernel (the LayerNorm row kernels
+    capture their ``load_row``) never hit the cache after a restart.  The key is computed from a
+    stand-in of the function whose closure holds plain values as they are and each device function
+    as its module, name and (recursively) closure -- its code is covered by the source hash."""
     c = getattr(disp, "_cache", None)
     ik = getattr(c, "_index_key", None)
     if ik is None or getattr(ik, "_flux_keyed", False):
         return disp
+    if getattr(c, "_py_func", None) is not None:
+        c._py_func = _StableKeyFunc(c._py_func)
     # numba's key also omits the jit options (fastmath, launch_bounds): add them too
     opts = repr(sorted((k, repr(v)) for k, v in getattr(disp, "targetoptions", {}).items()))
     tag = ("flux_numba_sources", source_hash(), opts)
@@ -90,6 +98,39 @@ def keyed_on_sources(disp):
     _index_key._flux_keyed = True
     c._index_key = _index_key
     return disp
+
+
+class _Cell:
+    __slots__ = ("cell_contents",)
+
+    def __init__(self, v):
+        self.cell_contents = v
+
+
+def _stable(v):
+    """A process-independent stand-in for a closure value (device functions by name)."""
+    f = getattr(v, "py_func", None)
+    if f is not None and callable(f):
+        cl = getattr(f, "__closure__", None) or ()
+        mod = getattr(f, "__module__", "") or ""
+        i = mod.find("cuda_kernels")  # the pack's own name for it: ComfyUI names the pack by its path
+        return ("device function", mod[i:] if i >= 0 else mod, getattr(f, "__qualname__", ""),
+                tuple(_stable(x.cell_contents) for x in cl))
+    return v
+
+
+class _StableKeyFunc:
+    """What numba's cache key reads of a kernel's Python function (``__code__``, ``__closure__``),
+    with the closure made process-independent (``_stable``)."""
+
+    def __init__(self, f):
+        self._f = f
+        self.__code__ = f.__code__
+        cl = f.__closure__
+        self.__closure__ = None if cl is None else tuple(_Cell(_stable(x.cell_contents)) for x in cl)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
 
 
 def jit_kernel(fn=None, **kw):
@@ -667,7 +708,7 @@ class Launcher:
             # (the simulator's kernel[...] configures and returns the kernel object itself: a cached
             # configuration would launch with the grid of the latest one, so it is never reused there)
             if not SIMULATOR:
-                compile_gate()
+                compile_gate(self)
             cfg = k[grid, block, st]
             if not SIMULATOR:
                 self._cfg[key] = cfg
@@ -685,7 +726,7 @@ class Launcher:
             return None
         try:
             sig = signature(args)
-            compile_gate()
+            compile_gate(self)
             fn = self.dispatcher().compile(sig)._codelibrary.get_cufunc()
             n = cuda.current_context().get_active_blocks_per_multiprocessor(fn, nt, 0)
             return int(n[-1] if isinstance(n, tuple) else n)
@@ -695,7 +736,7 @@ class Launcher:
     def _compile_fast(self, args):
         global _FAST_OK
         try:
-            compile_gate()
+            compile_gate(self)
             kern = self.kernel.compile(signature(args))
             if getattr(kern, "cooperative", False):
                 raise TypeError("cooperative kernel")
@@ -743,11 +784,11 @@ def planning() -> bool:
     return getattr(_COLLECT, "jobs", None) is not None
 
 
-def _no_gate():
+def _no_gate(launcher=None):
     return None
 
 
-compile_gate = _no_gate  # prebuild installs its wait here: no compile while workers build kernels
+compile_gate = _no_gate  # prebuild installs its wait here: a kernel being built elsewhere is not compiled twice
 
 
 def signature(args):

@@ -1,27 +1,31 @@
-"""Kernels built before they are needed: in worker processes, in parallel, in the background.
+"""Kernels built before they are needed, in worker processes, in parallel, while ComfyUI already runs.
 
 numba compiles a kernel in Python (typing, lowering) and then through NVVM and nvJitLink, one
 kernel after another, under its global compiler lock: on a machine with no on-disk cache the
-pack's first prompt waited for every kernel in turn.  This module moves that work off the
-critical path:
+pack's first prompt waited for every kernel in turn (27 kernels, ~25 s on an H200 host).  Here:
 
   * ``plan(device)`` runs the warm-up calls (``warmup.warm_calls``) in *planning* mode
     (``intrinsics.collecting``): every Launcher records ``(launcher, numba signature)`` and
     launches nothing, so the list is exactly what the ops' host code asks for on this GPU
-    (alignment variants, channel counts, fp8 support).  Kernels already in numba's on-disk cache
-    are left out.
+    (alignment variants, channel counts, fp8 support), per op.  Kernels already in numba's on-disk
+    cache are left out.
   * ``start()`` (called when ComfyUI imports the pack) plans in a background thread and, when
-    something is missing, starts worker processes (``python prebuild.py --worker DIR``; at most
-    ``MAX_WORKERS``, one core left free, lowered priority).  A worker imports the pack's
+    something is missing, starts worker processes (``prebuild_worker.py``; at most
+    ``MAX_WORKERS`` and half the cores, lowered priority).  A worker imports the pack's
     ``cuda_kernels`` under the same package name, rebuilds each kernel from its launcher's recipe
     (module-level factory + plain arguments) and compiles it for the GPU's compute capability
     without touching the GPU (``CUDA_VISIBLE_DEVICES`` empty: no context, no VRAM); jobs are
     claimed one at a time (``O_EXCL`` files), so the load balances itself.
-  * The background thread stores each result the way numba's own cache does (the dispatcher's
-    index key, its cache file) and adds it to the dispatcher in memory.  Until then any compile
-    in this process waits (``intrinsics.compile_gate``): no kernel is built twice, no index file
-    is written by two processes.
-  * ``wait()`` is what the patch node calls before its warm-up, with progress on the node.
+  * The background thread stores each result as it arrives, the way numba's own cache does (the
+    dispatcher's index key, its cache file, under numba's compiler lock) and adds it to the
+    dispatcher in memory.
+  * Meanwhile nothing waits: while an op still has kernels in the build, ``registry.pending``
+    says so and the registry runs the op's reference (the stock torch math) instead -- sampling
+    starts at stock speed at once and each op switches to its kernel when that is built; CUDA
+    graphs are not captured until the build is done (``registry.settled``).  A compile of one of
+    the build's kernels in another thread waits for it (``intrinsics.compile_gate``); any other
+    compile goes ahead.
+  * ``wait()`` blocks until the build is done (benchmarks, tests).
 
 Everything here is best effort: a failed plan, worker or job is logged and the kernel is then
 compiled where it is first used, as before.  No ComfyUI imports.
@@ -37,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 from . import intrinsics as ik
 from . import runtime
@@ -46,8 +50,9 @@ from .prebuild_worker import sig_spec
 log = logging.getLogger("flux_numba")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MAX_WORKERS = 8
+MAX_WORKERS = 8  # and at most half the cores: ComfyUI keeps sampling (on the torch ops) meanwhile
 WAIT_LIMIT_S = 900.0  # a compile waiting for the build gives up after this (then compiles itself)
+BUILD_LIMIT_S = 300.0  # workers still running after this are stopped; their kernels compile on use
 # what start() builds: the default FLUX path's kernels, the fast profile's (where fp8 runs) and the
 # NHWC VAE decoder's; the pack's own attention kernels and the NCHW GroupNorm are built on use
 PLAN_SKIP = ("attention", "groupnorm_silu")
@@ -55,14 +60,17 @@ ENABLED = True  # tests and benches switch the background build off here
 
 
 class Job:
-    __slots__ = ("launcher", "sig", "recipe")
+    __slots__ = ("launcher", "sig", "recipe", "ops")
 
-    def __init__(self, launcher, sig, recipe):
-        self.launcher, self.sig, self.recipe = launcher, sig, recipe
+    def __init__(self, launcher, sig, recipe, ops):
+        self.launcher, self.sig, self.recipe, self.ops = launcher, sig, recipe, ops
 
     def spec(self):
         mod, qn, args = self.recipe
         return [mod, qn, list(args), sig_spec(self.sig)]
+
+    def label(self):
+        return f"{self.recipe[1]}{tuple(self.recipe[2])}"
 
 
 def _direct_call(op_name, *args, **kw):
@@ -85,33 +93,41 @@ def is_cached(launcher, sig) -> bool:
         return False
 
 
+def buildable_ops(ops=None, skip=PLAN_SKIP) -> Set[str]:
+    """The ops whose numba kernels a build covers."""
+    from .registry import registry
+    return {o for o in registry.ops if "numba" in registry.backends(o) and o not in skip
+            and (ops is None or o in ops)}
+
+
 def plan(device="cuda", skip=PLAN_SKIP, ops=None) -> List[Job]:
     """The kernels the warm-up calls would compile on ``device`` and that are not cached yet (those
-    without a recipe are left to be compiled on use)."""
+    without a recipe are left to be compiled on use); each job names the ops that need it."""
     import torch
 
     from . import warmup
     from .registry import registry
-    seen, out = set(), []
-    with registry.force("torch"), ik.collecting() as found:  # any nested op call: its reference
+    jobs: Dict[tuple, Job] = {}
+    with registry.force("torch"):  # any nested op call: its reference
         for op, backend, fn in warmup.warm_calls(device, call=_direct_call):
             if backend != "numba" or op in skip or (ops is not None and op not in ops):
                 continue
-            try:
-                fn()
-            except Exception as e:  # this op is compiled where it is used
-                log.info("[flux_numba] prebuild: planning %s failed (%s: %s)", op, type(e).__name__, e)
+            with ik.collecting() as found:
+                try:
+                    fn()
+                except Exception as e:  # this op is compiled where it is used
+                    log.info("[flux_numba] prebuild: planning %s failed (%s: %s)", op, type(e).__name__, e)
+            for la, sig in found:
+                j = jobs.get((id(la), sig))
+                if j is not None:
+                    j.ops.add(op)
+                    continue
+                rec = la.recipe()
+                if rec is not None:
+                    jobs[(id(la), sig)] = Job(la, sig, rec, {op})
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
-    for la, sig in found:
-        k = (id(la), sig)
-        if k in seen:
-            continue
-        seen.add(k)
-        rec = la.recipe()
-        if rec is not None and not is_cached(la, sig):
-            out.append(Job(la, sig, rec))
-    return out
+    return [j for j in jobs.values() if not is_cached(j.launcher, j.sig)]
 
 
 def _package_of(module: str) -> str:
@@ -120,32 +136,48 @@ def _package_of(module: str) -> str:
 
 
 class Build:
-    """One background build: ``state`` planning -> building -> done (or failed / nothing)."""
+    """One background build: ``state`` planning -> building -> done (or nothing / failed)."""
 
     def __init__(self, device, workers=None, ops=None):
         self.device, self.ops = device, ops
         self.max_workers = workers
         self.state = "planning"
-        self.total = self.built = self.failed = self.cached_before = 0
+        self.total = self.built = self.failed = 0
         self.workers = 0
         self.t0 = time.perf_counter()
-        self.seconds = None
+        self.seconds = self.plan_s = None
+        self.jobs: List[Job] = []
         self.errors: List[str] = []
         self.done = threading.Event()
+        self._covered = buildable_ops(ops)
+        self._left: Optional[Dict[str, int]] = None  # op -> jobs not yet stored (None: planning)
+        self._waiting: Optional[Dict[int, int]] = None  # id(launcher) -> its jobs not yet stored
         self._folder = None
         self._procs: List[subprocess.Popen] = []
         self.thread = threading.Thread(target=self._run, name="flux_numba_prebuild", daemon=True)
 
-    # -- progress
+    # -- what is ready
+    def pending(self, op: str, backend: str) -> Optional[str]:
+        """``registry.pending``: why ``backend`` of ``op`` cannot run yet, or None."""
+        if backend != "numba" or self.done.is_set() or op not in self._covered:
+            return None
+        left = self._left
+        if left is None:
+            return "its kernels are being planned for the background build"
+        if left.get(op, 0) > 0:
+            return f"its kernels are being built in the background ({self.built + self.failed}/{self.total})"
+        return None
+
+    def holds(self, launcher) -> bool:
+        """True when ``launcher``'s kernel is (or may be) one the build will store."""
+        if self.done.is_set():
+            return False
+        w = self._waiting
+        return w is None or w.get(id(launcher), 0) > 0
+
     def progress(self):
-        """(kernels finished, kernels to build): counted from the workers' result files."""
-        if self.done.is_set() or self._folder is None:
-            return self.built + self.failed, self.total
-        try:
-            n = sum(1 for f in os.listdir(self._folder) if f.endswith((".bin", ".err")))
-        except OSError:
-            n = 0
-        return n, self.total
+        """(kernels finished, kernels to build)."""
+        return self.built + self.failed, self.total
 
     def wait(self, timeout: float = WAIT_LIMIT_S, on_progress: Optional[Callable[[int, int], None]] = None) -> bool:
         """Block until the build is done (True) or ``timeout`` passed (False)."""
@@ -166,6 +198,7 @@ class Build:
 
     # -- the thread
     def _run(self):
+        from .registry import registry
         try:
             self._build()
         except Exception as e:
@@ -177,65 +210,107 @@ class Build:
             self.seconds = time.perf_counter() - self.t0
             self._cleanup()
             self.done.set()
+            if registry.pending == self.pending:
+                registry.pending = None
 
     def _build(self):
         import torch
         from numba import cuda
         torch.cuda.set_device(torch.device(self.device))
-        jobs = plan(self.device, ops=self.ops)
+        jobs = self.jobs = plan(self.device, ops=self.ops)
+        self.plan_s = time.perf_counter() - self.t0
+        waiting: Dict[int, int] = {}
+        left: Dict[str, int] = {}
+        for j in jobs:
+            waiting[id(j.launcher)] = waiting.get(id(j.launcher), 0) + 1
+            for op in j.ops:
+                left[op] = left.get(op, 0) + 1
+        self._waiting, self._left = waiting, left
         if not jobs:
             self.state = "nothing"
             return
         cc = cuda.get_current_device().compute_capability  # what numba itself compiles for
         self.total = len(jobs)
-        n = self.max_workers or min(MAX_WORKERS, max(1, (os.cpu_count() or 2) - 1))
-        n = max(1, min(n, len(jobs)))
-        self.workers = n
+        n = self.max_workers or min(MAX_WORKERS, max(1, (os.cpu_count() or 2) // 2))
+        n = self.workers = max(1, min(n, len(jobs)))
         self.state = "building"
         self._folder = tempfile.mkdtemp(prefix="flux_numba_build_")
-        payload = {"package": _package_of(jobs[0].recipe[0]), "root": os.path.dirname(HERE), "cc": list(cc),
-                   "jobs": [j.spec() for j in jobs]}
-        log.info("[flux_numba] building %d kernels for sm_%d%d in %d background processes (first start "
-                 "after an install or update; later starts load them from numba's cache)", len(jobs), cc[0], cc[1], n)
         with open(os.path.join(self._folder, "plan.json"), "w") as f:
-            json.dump(payload, f)
+            json.dump({"package": _package_of(jobs[0].recipe[0]), "root": os.path.dirname(HERE), "cc": list(cc),
+                       "jobs": [j.spec() for j in jobs]}, f)
+        log.info("[flux_numba] building %d kernels for sm_%d%d in %d background processes (planned in %.1f s; "
+                 "the first start after an install or update -- later starts load them from numba's cache); "
+                 "until then the ops run ComfyUI's torch math", len(jobs), cc[0], cc[1], n, self.plan_s)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
         for w in range(n):  # each worker starts at its own place in the list, then claims what is left
             self._procs.append(subprocess.Popen(
                 [sys.executable, os.path.join(HERE, "prebuild_worker.py"), self._folder, str((w * len(jobs)) // n)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        outs = []
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        stored: Set[int] = set()
+        while len(stored) < len(jobs):
+            alive = any(p.poll() is None for p in self._procs)
+            if alive and time.perf_counter() - self.t0 > BUILD_LIMIT_S:
+                self.errors.append(f"workers stopped after {BUILD_LIMIT_S:.0f} s")
+                for p in self._procs:
+                    p.kill()
+                alive = False
+            for i, job in enumerate(jobs):
+                if i not in stored and self._collect(i, job):
+                    stored.add(i)
+            if not alive and len(stored) < len(jobs):
+                for i, job in enumerate(jobs):  # whatever arrived after the last scan
+                    if i not in stored and self._collect(i, job):
+                        stored.add(i)
+                for i, job in enumerate(jobs):
+                    if i not in stored:
+                        self._finish(job, ok=False, err="its worker exited without building it")
+                break
+            time.sleep(0.05)
         for p in self._procs:
-            out, err = p.communicate()
-            outs.append((p.returncode, out, err))
-        for rc, out, err in outs:
-            if rc not in (0, None) and not out:
-                self.errors.append(f"worker exit {rc}: {(err or '').strip()[-300:]}")
-        self._store(jobs, cc)
+            try:
+                err = p.communicate(timeout=5)[1]
+            except Exception:
+                err = ""
+            if p.returncode not in (0, None) and err:
+                self.errors.append(f"worker exit {p.returncode}: {err.strip()[-300:]}")
         self.state = "done"
         log.info("[flux_numba] background kernel build: %d of %d kernels built in %.1f s by %d processes%s",
                  self.built, self.total, time.perf_counter() - self.t0, n,
                  f"; {self.failed} left to compile on use ({self.errors[0]})" if self.failed else "")
 
-    def _store(self, jobs, cc):
-        import pickle
-        for i, job in enumerate(jobs):
-            path = os.path.join(self._folder, f"{i}.bin")
-            if not os.path.exists(path):
-                self.failed += 1
-                err = os.path.join(self._folder, f"{i}.err")
-                if os.path.exists(err):
-                    with open(err) as f:
-                        self.errors.append(f.read())
-                continue
+    def _collect(self, i, job) -> bool:
+        """Store job ``i`` if its worker finished it (True), else False."""
+        base = os.path.join(self._folder, str(i))
+        if os.path.exists(base + ".bin"):
             try:
-                with open(path, "rb") as f:
+                import pickle
+                with open(base + ".bin", "rb") as f:
                     payload = pickle.loads(f.read())
                 _install(job.launcher.dispatcher(), job.sig, payload)
-                self.built += 1
+                self._finish(job, ok=True)
             except Exception as e:
-                self.failed += 1
-                self.errors.append(f"storing {job.recipe[1]}: {type(e).__name__}: {e}")
+                self._finish(job, ok=False, err=f"storing {job.label()}: {type(e).__name__}: {e}")
+            return True
+        if os.path.exists(base + ".err"):
+            try:
+                with open(base + ".err") as f:
+                    err = f.read()
+            except OSError:
+                err = "?"
+            self._finish(job, ok=False, err=f"{job.label()}: {err}")
+            return True
+        return False
+
+    def _finish(self, job, ok: bool, err: str = ""):
+        """One job over: stored, or failed (that kernel is then compiled where it is used)."""
+        if ok:
+            self.built += 1
+        else:
+            self.failed += 1
+            self.errors.append(err)
+        self._waiting[id(job.launcher)] -= 1
+        for op in job.ops:
+            self._left[op] -= 1
 
     def _cleanup(self):
         for p in self._procs:
@@ -247,26 +322,32 @@ class Build:
 
 def _install(disp, sig, payload):
     """Store a worker's kernel in numba's on-disk cache (its index key, its file) and in the
-    dispatcher, as ``Dispatcher.compile`` would after compiling it here."""
-    cache = disp._cache
-    try:
-        if getattr(cache, "_enabled", False):
-            cache._impl.locator.ensure_cache_path()
-            cache._cache_file.save(cache._index_key(sig, disp.targetctx.codegen()), payload)
-    except Exception as e:  # a read-only install: the kernel still serves this process
-        log.info("[flux_numba] prebuild: on-disk cache not written (%s: %s)", type(e).__name__, e)
-    kernel = cache._impl.rebuild(disp.targetctx, payload)
-    if sig not in disp.overloads:
-        disp.add_overload(kernel, sig)
+    dispatcher, as ``Dispatcher.compile`` would after compiling it here -- under numba's compiler
+    lock, so that a compile in another thread never writes the same index file at the same time."""
+    from numba.core.compiler_lock import global_compiler_lock
+    with global_compiler_lock:
+        cache = disp._cache
+        try:
+            if getattr(cache, "_enabled", False):
+                cache._impl.locator.ensure_cache_path()
+                cache._cache_file.save(cache._index_key(sig, disp.targetctx.codegen()), payload)
+        except Exception as e:  # a read-only install: the kernel still serves this process
+            log.info("[flux_numba] prebuild: on-disk cache not written (%s: %s)", type(e).__name__, e)
+        kernel = cache._impl.rebuild(disp.targetctx, payload)
+        if sig not in disp.overloads:
+            disp.add_overload(kernel, sig)
 
 
 _build: Optional[Build] = None
 
 
-def _gate():
-    """``intrinsics.compile_gate``: a compile in any other thread waits for the running build."""
+def _gate(launcher=None):
+    """``intrinsics.compile_gate``: a compile of one of the build's kernels in another thread waits
+    for the build (then finds the kernel built); other compiles go ahead."""
     b = _build
     if b is None or b.done.is_set() or threading.current_thread() is b.thread:
+        return
+    if launcher is not None and not b.holds(launcher):
         return
     if not b.wait(WAIT_LIMIT_S):
         log.warning("[flux_numba] background kernel build still running after %.0f s; compiling here", WAIT_LIMIT_S)
@@ -284,10 +365,12 @@ def start(device=None, workers=None, ops=None) -> Optional[Build]:
     import torch
     if not torch.cuda.is_available():
         return None
+    from .registry import registry
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
     _build = Build(device, workers, ops)
     ik.compile_gate = _gate
+    registry.pending = _build.pending
     _build.thread.start()
     return _build
 

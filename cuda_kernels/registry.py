@@ -13,6 +13,10 @@ Dispatch for a call, in order:
      shape key with CUDA events; in-place args are cloned for the trial).
   3. the reference.
 
+While a backend's kernels are still being built in the background (``pending``, set by
+``prebuild``), the backend is passed over -- the call runs the next choice, usually the reference
+-- and the decision is not remembered, so the first call after the build takes the backend.
+
 Every decision is logged once per (op, backend, reason) at INFO, and counted in ``usage``
 so the step timer can report what ran.  No ComfyUI imports here.
 
@@ -116,6 +120,24 @@ class OpRegistry:
         self.last: Dict[str, str] = {}  # op -> backend of the last call
         self.fallbacks: Counter = Counter()  # (op, backend, reason) -> times a forced/auto choice fell back
         self._choices: Dict[tuple, "Backend"] = {}  # remembered decisions (module docstring)
+        # (op, backend) -> why that backend cannot run *yet* (its kernels are still being built in
+        # the background), or None; set by cuda_kernels.prebuild while a build runs, else None
+        self.pending: Optional[Callable[[str, str], Optional[str]]] = None
+        self.deferred: Counter = Counter()  # (op, backend) -> calls that ran the reference meanwhile
+
+    def settled(self) -> bool:
+        """False while some backend's kernels are still being built (CUDA graphs then wait: a capture
+        would freeze the stand-in reference into the graph)."""
+        return self.pending is None
+
+    def _not_yet(self, op_name: str, backend: str) -> Optional[str]:
+        p = self.pending
+        if p is None or backend == REFERENCE:
+            return None
+        try:
+            return p(op_name, backend)
+        except Exception:
+            return None
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, reference: Callable, doc: str = "", mutates: Sequence[int] = ()) -> Op:
@@ -209,6 +231,11 @@ class OpRegistry:
             b = op.backends.get(want)
             why = None if b is not None else f"backend {want!r} not registered for {op_name}"
             if b is not None:
+                later = self._not_yet(op_name, want)
+                if later is not None:  # runs the reference until the kernels are built (not remembered)
+                    self.deferred[(op_name, want)] += 1
+                    self._note(op_name, REFERENCE, f"{want} deferred: {later}")
+                    return op.backends[REFERENCE], False
                 why = self._check(b, args, kwargs)
             if why is None:
                 self._note(op_name, want, "forced")
@@ -222,19 +249,26 @@ class OpRegistry:
             self._note(op_name, REFERENCE, "forced")
             return op.backends[REFERENCE], True
         # auto
-        ok = []
+        ok, final = [], True
         for b in op.candidates():
+            later = self._not_yet(op_name, b.name)
+            if later is not None:  # not a candidate yet; the choice is made again once it is built
+                self.deferred[(op_name, b.name)] += 1
+                self._note(op_name, REFERENCE if not ok else ok[0].name, f"{b.name} deferred: {later}")
+                final = False
+                continue
             why = self._check(b, args, kwargs)
             if why is None:
                 ok.append(b)
             else:
                 self._note(op_name, REFERENCE if not ok else ok[0].name, f"{b.name} skipped: {why}")
         if not ok:
-            return op.backends[REFERENCE], True
+            return op.backends[REFERENCE], final
         if self.autotune:
-            return self._tuned_choice(op, ok + [op.backends[REFERENCE]], args, kwargs, sk)
+            b, tuned_final = self._tuned_choice(op, ok + [op.backends[REFERENCE]], args, kwargs, sk)
+            return b, tuned_final and final
         self._note(op_name, ok[0].name, "auto: highest priority backend that accepts these inputs")
-        return ok[0], True
+        return ok[0], final
 
     def call(self, op_name: str, *args, **kwargs):
         b = self.choose(op_name, *args, **kwargs)

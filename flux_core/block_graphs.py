@@ -209,6 +209,10 @@ class BlockGraphs:
             del self.entries[key]  # weights moved / changed: stale
             if hasattr(e.graph, "reset"):
                 drop_graph(e.graph)
+        if not registry.settled():  # kernels still building: no capture of their stand-ins
+            self.seen.pop(key, None)
+            self.counts["eager_kernels_building"] += 1
+            return eager()
         if key in self.failed or self.seen.get(key) != weights:
             self.seen[key] = weights
             self.counts["eager"] += 1

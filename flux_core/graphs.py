@@ -148,6 +148,9 @@ class GraphedForward:
             self._seen.pop(key, None)
             e = None
         if e is None:
+            if not registry.settled():  # kernels still building: eager, and warm up again afterwards
+                self._seen.pop(key, None)
+                return self.fn(*xs)
             n = self._seen.get(key, 0)
             if n < self.warmup:  # warm-up calls are ordinary eager steps: their results are used
                 self._seen[key] = n + 1

@@ -164,3 +164,21 @@ def test_allowed_is_scoped_per_thread():
         t.start()
         t.join()
     assert not is_allowed() and seen == [False]
+
+
+def test_no_capture_while_kernels_are_being_built(monkeypatch):
+    """While the background build runs (registry not settled) blocks run eagerly and nothing is
+    captured -- a capture would freeze the torch stand-ins; once settled: one eager call, then capture."""
+    from flux_numba_pack.cuda_kernels import registry
+    monkeypatch.setattr(registry, "pending", lambda op, b: "building")
+    rec = Recorder()
+    bg = BlockGraphs(rec)
+    for seed in (1, 2, 3):
+        got, want = run(bg, "b0", "W", inputs(seed))
+        assert same(got, want)
+    assert not rec.graphs and bg.counts["eager_kernels_building"] == 3
+    monkeypatch.setattr(registry, "pending", None)
+    got, want = run(bg, "b0", "W", inputs(4))
+    assert same(got, want) and not rec.graphs and bg.counts["eager"] == 1
+    got, want = run(bg, "b0", "W", inputs(5))
+    assert same(got, want) and bg.counts["capture"] == 1

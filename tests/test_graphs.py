@@ -134,3 +134,19 @@ def test_flux_graph_wrapper_interrupt_keeps_graphs(monkeypatch):
     raised.append(RuntimeError("capture broke"))
     assert w(executor, x, None, None) == "eager"
     assert w.failed.startswith("capture failed (RuntimeError") and w.gf is None and eager == [1]
+
+
+def test_graphed_forward_stays_eager_while_kernels_are_built(monkeypatch):
+    """While the background build runs, every call is eager (no warm-up counted, no capture tried:
+    a capture would freeze the torch stand-ins of the kernels); afterwards the warm-ups start."""
+    from flux_numba_pack.cuda_kernels import registry
+    from flux_numba_pack.flux_core.graphs import GraphedForward
+    monkeypatch.setattr(registry, "pending", lambda op, b: "building")
+    calls = []
+    gf = GraphedForward(lambda x: calls.append(1) or x * 2, warmup=2)
+    for _ in range(5):  # on this CPU a capture attempt would raise: none is made
+        assert torch.equal(gf(torch.ones(3)), torch.full((3,), 2.0))
+    assert len(calls) == 5 and not gf.graphs and not gf._seen and gf.captures == 0
+    monkeypatch.setattr(registry, "pending", None)
+    gf(torch.ones(3))
+    assert sum(gf._seen.values()) == 1  # the first warm-up with the kernels in place

@@ -185,3 +185,32 @@ def test_warm_calls_route_through_the_given_call():
         if op in ("ln_modulate", "bias_residual_nhwc"):
             fn()
     assert seen.count("ln_modulate") == 1 and seen.count("bias_residual_nhwc") == 6
+
+
+_KEY_PROBE = r'''
+import hashlib, sys
+sys.path.insert(0, ROOT); import _pack; _pack.load()
+from flux_numba_pack.cuda_kernels import ln_modulate as LM, gated_residual as GR
+from numba.cuda.serialize import dumps
+for la in (LM._launcher(4, 0, 2, 0), LM._launcher(4, 1, 2, 0), GR._launcher("gr", 4, 2)):
+    c = la.dispatcher()._cache
+    f = c._py_func
+    cv = tuple(x.cell_contents for x in f.__closure__) if f.__closure__ else ()
+    print(hashlib.sha256(dumps(cv)).hexdigest())
+'''
+
+
+def test_cache_key_is_the_same_in_every_process():
+    """numba pickles a kernel's closure into its on-disk cache key; a device function captured there
+    pickled differently per process, so the LayerNorm row kernels never hit the cache after a restart
+    (found by bench/gpu_jit.py's restart run).  The key's closure must not depend on the process."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_VISIBLE_DEVICES="")
+    outs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", f"ROOT={ROOT!r}\n" + _KEY_PROBE], capture_output=True, text=True,
+                           env=env, timeout=300)
+        if r.returncode and "CudaSupportError" in r.stderr:
+            pytest.skip("numba-cuda's dispatcher needs a CUDA driver library here")
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(r.stdout.split())
+    assert len(outs[0]) == 3 and outs[0] == outs[1]

@@ -231,3 +231,27 @@ def test_every_op_has_its_typed_function():
             if f.endswith(".py"):
                 src = open(os.path.join(root, sub, f)).read()
                 assert not re.search(r'registry\.call\(\s*["\']', src), f"{sub}/{f} names an op by a string"
+
+
+def test_pending_backend_runs_the_reference_until_built():
+    """A backend whose kernels are still being built in the background is passed over (auto and
+    forced), the decision is not remembered, nothing counts as a fallback; afterwards it is chosen."""
+    r = make()
+    r.autotune = False
+    building = {"fast"}
+    r.pending = lambda op, b: "being built" if b in building else None
+    x = torch.ones(3)
+    assert not r.settled()
+    for _ in range(2):
+        assert torch.equal(r.call("double", x), 2 * x) and r.last["double"] == "torch"
+    with r.force(double="fast"):
+        r.call("double", x)
+        assert r.last["double"] == "torch"
+    assert r.deferred[("double", "fast")] == 3 and not r.fallbacks
+    building.clear()  # built: the next call takes it (no remembered choice in the way)
+    r.call("double", x)
+    assert r.last["double"] == "fast"
+    r.pending = None
+    assert r.settled()
+    r.call("double", x)
+    assert r.last["double"] == "fast"
