@@ -8,13 +8,14 @@
 #   warm_stock    cache full    -> first prompt stock, then one more
 #   warm_patched  cache full    -> first prompt patched (a restart)
 #   cold_stock    cache emptied -> first prompt stock while the pack builds its kernels in the background
+# (STEPS="cold_patched warm_stock" runs those alone, in that order)
 # Seconds are ComfyUI's own execution_start -> execution_success; "first" = the server's first prompt.
 set -uo pipefail
 tree=$1; out=$2; tag=${3:-$(basename "$tree")}
 mkdir -p "$out"
 G="python3 bench/gpu_server.py --comfy $tree --steps 28 --res 1024 --prompt-timeout 150 --flags="
 clear_cache() { find cuda_kernels -name '*.nbi' -delete; find cuda_kernels -name '*.nbc' -delete; }
-for step in cold_patched warm_stock warm_patched cold_stock; do
+for step in ${STEPS:-cold_patched warm_stock warm_patched cold_stock}; do
   case $step in
     cold_patched) clear_cache; cases=patched; rep=2;;
     warm_stock) cases=stock; rep=2;;

@@ -17,8 +17,8 @@ pack's first prompt waited for every kernel in turn (27 kernels, ~25 s on an H20
     without touching the GPU (``CUDA_VISIBLE_DEVICES`` empty: no context, no VRAM); jobs are
     claimed one at a time (``O_EXCL`` files), so the load balances itself.
   * The background thread stores each result as it arrives, the way numba's own cache does (the
-    dispatcher's index key, its cache file, under numba's compiler lock) and adds it to the
-    dispatcher in memory.
+    dispatcher's index key, its cache file -- the worker's bytes as they are, under numba's
+    compiler lock); the kernel is then loaded where it is first used like any cached one.
   * Meanwhile nothing waits: while an op still has kernels in the build, ``registry.pending``
     says so and the registry runs the op's reference (the stock torch math) instead -- sampling
     starts at stock speed at once and each op switches to its kernel when that is built; CUDA
@@ -165,7 +165,7 @@ class Build:
         if left is None:
             return "its kernels are being planned for the background build"
         if left.get(op, 0) > 0:
-            return f"its kernels are being built in the background ({self.built + self.failed}/{self.total})"
+            return "its kernels are being built in the background"
         return None
 
     def holds(self, launcher) -> bool:
@@ -283,10 +283,9 @@ class Build:
         base = os.path.join(self._folder, str(i))
         if os.path.exists(base + ".bin"):
             try:
-                import pickle
                 with open(base + ".bin", "rb") as f:
-                    payload = pickle.loads(f.read())
-                _install(job.launcher.dispatcher(), job.sig, payload)
+                    data = f.read()
+                _install(job.launcher.dispatcher(), job.sig, data)
                 self._finish(job, ok=True)
             except Exception as e:
                 self._finish(job, ok=False, err=f"storing {job.label()}: {type(e).__name__}: {e}")
@@ -320,20 +319,37 @@ class Build:
             shutil.rmtree(self._folder, ignore_errors=True)
 
 
-def _install(disp, sig, payload):
-    """Store a worker's kernel in numba's on-disk cache (its index key, its file) and in the
-    dispatcher, as ``Dispatcher.compile`` would after compiling it here -- under numba's compiler
-    lock, so that a compile in another thread never writes the same index file at the same time."""
+def _install(disp, sig, data: bytes):
+    """Store a worker's kernel (``data``: numba's own cache-file bytes for it) in numba's on-disk
+    cache -- the dispatcher's index key, the next free data file, as ``IndexDataCacheFile.save``
+    does, under numba's compiler lock so that a compile in another thread never writes the same
+    index at the same time; the kernel is then loaded where it is first used, like any cached one.
+    Where the cache cannot be written, the kernel goes into the dispatcher in memory instead."""
     from numba.core.compiler_lock import global_compiler_lock
     with global_compiler_lock:
         cache = disp._cache
         try:
-            if getattr(cache, "_enabled", False):
-                cache._impl.locator.ensure_cache_path()
-                cache._cache_file.save(cache._index_key(sig, disp.targetctx.codegen()), payload)
+            if not getattr(cache, "_enabled", False):
+                raise RuntimeError("numba's cache is off for this kernel")
+            cf = cache._cache_file
+            cache._impl.locator.ensure_cache_path()
+            key = cache._index_key(sig, disp.targetctx.codegen())
+            overloads = cf._load_index()
+            name = overloads.get(key)
+            if name is None:
+                used = set(overloads.values())
+                i = 1
+                while cf._data_name(i) in used:
+                    i += 1
+                name = overloads[key] = cf._data_name(i)
+                cf._save_index(overloads)
+            with cf._open_for_write(cf._data_path(name)) as f:
+                f.write(data)
+            return
         except Exception as e:  # a read-only install: the kernel still serves this process
-            log.info("[flux_numba] prebuild: on-disk cache not written (%s: %s)", type(e).__name__, e)
-        kernel = cache._impl.rebuild(disp.targetctx, payload)
+            log.info("[flux_numba] prebuild: on-disk cache not written (%s: %s); kept in memory", type(e).__name__, e)
+        import pickle
+        kernel = cache._impl.rebuild(disp.targetctx, pickle.loads(data))
         if sig not in disp.overloads:
             disp.add_overload(kernel, sig)
 

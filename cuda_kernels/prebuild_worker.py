@@ -91,7 +91,7 @@ def worker_main(folder: str, first: int = 0) -> int:
     with open(os.path.join(folder, "plan.json")) as f:
         plan_ = json.load(f)
     try:
-        os.nice(plan_.get("nice", 5))
+        os.nice(plan_.get("nice", 10))
     except (AttributeError, OSError):
         pass
     parent = os.getppid()
