@@ -108,9 +108,11 @@ class Fp8Weights:
         self._ones = {}
         self.quantised = 0  # weights (re)quantised into the cache so far: a LoRA change touches only its weights
 
-    def clear(self):
-        """Free the kept fp8 copies (made again on their next use)."""
+    def clear(self) -> int:
+        """Free the kept fp8 copies (made again on their next use); returns how many were freed."""
+        n = len(self._cache)
         self._cache.clear()
+        return n
 
     def get(self, lin, w, b, epoch=None):
         if not self.keep:  # transient: the quantising rows kernel, one row per output channel

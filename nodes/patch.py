@@ -243,9 +243,17 @@ class _Runner:
         self.drop_fp8_copies()
 
     def drop_fp8_copies(self):
+        """Free the kept fp8 weight copies, and with them every CUDA graph captured over them (a
+        replay would read freed memory: an illegal address that takes the server down)."""
+        freed = 0
         for c in self._fp8.values():
             if c is not None:
-                c.clear()
+                freed += c.clear() or 0
+        if freed:
+            if self.graphs is not None:
+                self.graphs.drop("its fp8 weight copies were freed")
+            if self.whole is not None:
+                self.whole.drop()
 
     def enable_block_graphs(self, capture_fn=None):
         self.graphs = self._graphs_mod.BlockGraphs(capture_fn)

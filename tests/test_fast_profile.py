@@ -110,3 +110,45 @@ def test_support_reasons():
     if torch.cuda.is_available():
         cc = torch.cuda.get_device_capability()
         assert (fast.support("cuda") is None) == (cc >= (9, 0))
+
+
+def test_freeing_fp8_copies_drops_the_graphs_that_read_them():
+    """A fast-cached runner's kept fp8 weights are freed when another patch of the model runs
+    (``_release_fp8_copies``); its CUDA graphs were captured over those copies, so they must go too
+    -- a replay after the free read freed memory (an illegal address that took a v0.33 server down
+    when stock / exact / fast-cached prompts alternated)."""
+    import weakref
+
+    from flux_numba_pack.flux_core import fast
+    from flux_numba_pack.nodes import patch as P
+
+    class Model:
+        pass
+
+    class Dropped:
+        def __init__(self):
+            self.why = []
+
+        def drop(self, why=""):
+            self.why.append(why)
+
+    model = Model()
+    cached = P._Runner(P.FluxNumbaPatch.options(profile="fast-cached"), weakref.ref(model), 901)
+    exact = P._Runner(P.FluxNumbaPatch.options(profile="exact"), weakref.ref(model), 902)
+    f8 = fast.Fp8Weights(keep=True)
+    lin = torch.nn.Linear(16, 8)
+    f8._cache[id(lin)] = (weakref.ref(lin), ("k",), torch.zeros(8, 16), torch.ones(8))
+    cached._fp8["cpu"] = f8
+    cached.graphs, cached.whole = Dropped(), Dropped()
+    for r in (cached, exact):
+        P._REUSE[P._reuse_key(model, r.opts)] = r
+    try:
+        P._release_fp8_copies(model, exact)
+        assert not f8._cache
+        assert cached.graphs.why and "fp8" in cached.graphs.why[0] and cached.whole.why == [""]
+        cached.graphs, cached.whole = Dropped(), Dropped()
+        P._release_fp8_copies(model, exact)  # nothing kept any more: the graphs stay
+        assert not cached.graphs.why and not cached.whole.why
+    finally:
+        for r in (cached, exact):
+            P._REUSE.pop(P._reuse_key(model, r.opts), None)
