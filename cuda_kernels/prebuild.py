@@ -168,6 +168,10 @@ class Build:
             return "its kernels are being built in the background"
         return None
 
+    def covers(self, op: str) -> bool:
+        """True when ``op``'s numba kernels are this build's to make."""
+        return op in self._covered
+
     def holds(self, launcher) -> bool:
         """True when ``launcher``'s kernel is (or may be) one the build will store."""
         if self.done.is_set():

@@ -534,22 +534,28 @@ def warm_kernels(unique_id, opts) -> dict:
              if (c[0] in warmup.FP8_OPS and fp8)
              or (c[0] == "attention" and c[1] in want_attn)
              or (c[0] not in warmup.FP8_OPS + warmup.VAE_OPS and c[0] != "attention" and opts["route_norms"])]
+    out = {}
     build = prebuild.current()
     if build is not None and not build.done.is_set():
         # the kernels are being built in the background (first start after an install or update):
-        # no wait here -- each op runs ComfyUI's torch math until its kernels are stored
+        # no wait here -- each op runs ComfyUI's torch math until its kernels are stored; what the
+        # build does not cover (the pack's own attention kernels, when asked for) is warmed below
         done, total = build.progress()
         from .progress import _send_text
         msg = (f"FluxNumba kernels: being built in the background ({done}/{total or '?'}); the first steps "
                f"run ComfyUI's own math and switch to the kernels as they are ready")
         log.info("[flux_numba] %s", msg)
         _send_text(msg, unique_id)
-        return {"background_build": {"done": done, "total": total, "state": build.state}}
+        out["background_build"] = {"done": done, "total": total, "state": build.state}
+        calls = [c for c in calls if not build.covers(c[0])]
+        if not calls:
+            return out
     with compile_progress(unique_id, total=len(calls)) as prog:
         res = warmup.warm_all("cuda", backends={(c[0], c[1]) for c in calls}, on_begin=prog.begin,
                               on_step=lambda name, cached, dt, err: prog.step(name + (f" FAILED ({err})" if err else ""),
                                                                               cached=cached))
-    return {k: {"s": round(v["seconds"], 2), "cached": v["cached"], "error": v["error"]} for k, v in res.items()}
+    out.update({k: {"s": round(v["seconds"], 2), "cached": v["cached"], "error": v["error"]} for k, v in res.items()})
+    return out
 
 
 def _make_fn(runner, kind, index, previous=None):

@@ -214,3 +214,26 @@ def test_cache_key_is_the_same_in_every_process():
         assert r.returncode == 0, r.stderr[-2000:]
         outs.append(r.stdout.split())
     assert len(outs[0]) == 3 and outs[0] == outs[1]
+
+
+def test_build_pending_follows_its_jobs():
+    """An op waits (registry.pending) while the build plans, then while any of its kernels is not yet
+    stored; a failed kernel stops the wait too (it is compiled on use); launchers are held likewise."""
+    b = prebuild.Build("cpu", ops={"ln_modulate", "gelu_tanh"})
+    assert b.covers("ln_modulate") and not b.covers("attention")
+    assert b.pending("ln_modulate", "numba") and b.holds(object())  # planning: everything waits
+    assert b.pending("ln_modulate", "torch") is None and b.pending("attention", "numba") is None
+    la1, la2, other = object(), object(), object()
+    j1 = prebuild.Job(la1, (), ("m", "f", ()), {"ln_modulate"})
+    j2 = prebuild.Job(la2, (), ("m", "g", ()), {"ln_modulate", "gelu_tanh"})
+    b.jobs, b.total = [j1, j2], 2
+    b._waiting, b._left = {id(la1): 1, id(la2): 1}, {"ln_modulate": 2, "gelu_tanh": 1}
+    assert not b.holds(other) and b.holds(la1)
+    b._finish(j1, ok=True)
+    assert b.pending("ln_modulate", "numba") and b.pending("gelu_tanh", "numba")
+    assert not b.holds(la1) and b.holds(la2)
+    b._finish(j2, ok=False, err="boom")
+    assert b.pending("ln_modulate", "numba") is None and b.pending("gelu_tanh", "numba") is None
+    assert (b.built, b.failed, b.errors) == (1, 1, ["boom"]) and b.progress() == (2, 2)
+    b.done.set()
+    assert not b.holds(la2)
