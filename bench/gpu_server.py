@@ -253,7 +253,7 @@ import comfy.options; comfy.options.enable_args_parsing()
 import safetensors.torch
 sys.path.insert(0, ROOT)
 import _pack; _pack.load()
-from flux_numba_pack.flux_core.tiny import random_vae_state_dict
+from flux_numba_pack.nodes.host.vae import random_vae_state_dict
 safetensors.torch.save_file(random_vae_state_dict(1), OUT)
 '''
 

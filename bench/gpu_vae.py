@@ -420,7 +420,7 @@ def run_decoder():
         note("decoder", skipped=why)
         rows.append(("decoder", "SKIP", why[:40], "", "", "", "", "", "", ""))
         return
-    from flux_numba_pack.nodes import vae_patch as VP
+    from flux_numba_pack.nodes.host import vae as VP
     cfg = dict(ch=128, out_ch=3, ch_mult=[1, 2, 4, 4], num_res_blocks=2, attn_resolutions=[], in_channels=3,
                resolution=256, z_channels=16)
     with torch.device(DEV):
@@ -517,7 +517,7 @@ def run_node_path():
         return
     try:
         import comfy.sd
-        from flux_numba_pack.flux_core.tiny import random_vae_state_dict
+        from flux_numba_pack.nodes.host.vae import random_vae_state_dict
         g = torch.Generator().manual_seed(1)
         sd = random_vae_state_dict(generator=g)  # z below continues the same stream
     except Exception as e:

@@ -8,6 +8,8 @@ plain ``Weights``.
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -67,6 +69,16 @@ class Weights:
 
     def release(self):
         pass
+
+    @contextlib.contextmanager
+    def module(self, m, like):
+        """(weight, bias) of a module with weights (a convolution, a GroupNorm) for input ``like``,
+        valid inside the context: its own tensors here; a host that casts per call hands out its cast
+        and takes it back on exit."""
+        yield m.weight, m.bias
+
+    def every_op(self):
+        """Called once per op that host-agnostic code runs (a host's per-op hook: its interrupt check)."""
 
 
 @dataclass

@@ -182,3 +182,62 @@ class GraphedForward:
         self.captures += 1
         log.info("[flux_numba] captured a CUDA graph for input shapes %s", [tuple(x.shape) for x in xs])
         return _Entry(g, static_in, static_out, wk, +usage)
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(e).lower()
+
+
+class GraphGuard:
+    """The one policy of the pack's CUDA graphs around host code (the FLUX forward's, the VAE decoder's
+    low-resolution stage): where the caller finds a graph unsafe, ``eager(why, fn)`` runs ``fn`` and
+    logs the reason once; else ``run`` replays through a ``GraphedForward`` (its warm-ups, capture,
+    re-capture on moved weights).  A failed warm-up or capture turns the graph off for good (eager
+    from then on, reason logged once) -- except the host's interrupt (the user cancelled: it
+    propagates and the graph stays on), out-of-memory with ``on_oom="raise"`` (graphs dropped, then
+    re-raised: the host has its own fallback, e.g. a tiled decode), and any error while the registry
+    is strict (tests)."""
+
+    def __init__(self, message: str, warmup: int = 2, max_graphs: int = 2, on_oom: str = "eager"):
+        self.message, self.warmup, self.max_graphs, self.on_oom = message, warmup, max_graphs, on_oom
+        self.gf: Optional[GraphedForward] = None
+        self.failed: Optional[str] = None
+        self.last_mode: Optional[str] = None  # "graph" | "warm-up" | "eager: <why>"
+        self._logged = set()
+
+    def eager(self, why: str, fn: Callable):
+        if why not in self._logged:
+            self._logged.add(why)
+            log.info("[flux_numba] %s: %s", self.message, why)
+        self.last_mode = "eager: " + why
+        return fn()
+
+    def drop(self):
+        gf, self.gf = self.gf, None
+        graphs = getattr(gf, "graphs", None)
+        if graphs:
+            for e in graphs.values():
+                drop_graph(e.graph)
+            graphs.clear()
+
+    def run(self, fn: Callable, inputs, weights_key, eager_fn: Callable):
+        """``fn(*inputs)`` through the graph (``fn`` is the closure of this call: a capture records it)."""
+        if self.gf is None:
+            self.gf = GraphedForward(fn, warmup=self.warmup, max_graphs=self.max_graphs)
+        self.gf.fn = fn
+        replays = getattr(self.gf, "replays", 0)
+        try:
+            out = self.gf(*inputs, weights_key=weights_key)
+        except Exception as e:
+            if is_interrupt(e):
+                raise
+            if self.on_oom == "raise" and is_oom(e):
+                self.drop()
+                raise
+            if registry.strict:
+                raise
+            self.drop()
+            self.failed = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
+            return self.eager(self.failed, eager_fn)
+        self.last_mode = "graph" if getattr(self.gf, "replays", 0) > replays else "warm-up"
+        return out

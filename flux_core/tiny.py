@@ -3,7 +3,7 @@
 No download and no committed weights: ``tiny_state_dict(seed)`` makes the same tensors on every
 machine (torch's CPU generator).  ``comfy_min_state_dict`` makes the smallest checkpoint ComfyUI
 itself detects as FLUX (hidden 3072, 1 double + 1 single block, ~531 M parameters).
-``random_vae_state_dict`` makes a FLUX VAE (ComfyUI's AutoencodingEngine layout) from a seed.
+(A random FLUX VAE in ComfyUI's layout: ``nodes/host/vae.random_vae_state_dict``.)
 """
 from __future__ import annotations
 
@@ -45,25 +45,3 @@ def tiny_state_dict(seed: int = 0, dtype=torch.float32):
 
 def comfy_min_state_dict(seed: int = 0, dtype=torch.bfloat16):
     return random_state_dict(COMFY_MIN, seed, dtype)
-
-
-def random_vae_state_dict(seed: int = 1, generator: torch.Generator = None) -> Dict[str, torch.Tensor]:
-    """Random weights for ComfyUI's FLUX VAE (ch 128, mult [1, 2, 4, 4], z 16), in the layout
-    ``comfy.sd.VAE(sd=...)`` detects: N(0, 1/fan_in) convs, small biases, norm weights near 1.
-    Needs ComfyUI importable (its AutoencodingEngine names the tensors); the benchmark and the
-    server / browser tests use it when no real VAE file is at hand.  ``generator`` (instead of
-    ``seed``): draw from the caller's CPU generator, which then continues past these tensors."""
-    import math
-    from comfy.ldm.models.autoencoder import AutoencodingEngine
-    dd = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
-          "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
-    m = AutoencodingEngine(regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
-                           encoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": dd},
-                           decoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", "params": dd})
-    g = generator if generator is not None else torch.Generator().manual_seed(seed)
-    sd = {}
-    for k, v in m.state_dict().items():
-        r = torch.randn(v.shape, generator=g)
-        sd[k] = ((1 + 0.2 * r) if ("norm" in k and k.endswith("weight")) else
-                 (0.05 * r if v.ndim == 1 else r / math.sqrt(v[0].numel()))).contiguous()
-    return sd

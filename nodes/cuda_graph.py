@@ -25,49 +25,54 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 log = logging.getLogger("flux_numba")
 
 KEY = "flux_numba_cuda_graph"
 
 
 class GraphWrapper:
+    """The DIFFUSION_MODEL wrapper: the whole forward through a CUDA graph where that is safe (module
+    docstring), under ``flux_core.graphs.GraphGuard``'s policy."""
+
     def __init__(self, max_graphs: int = 2, stats: dict = None):
-        self.max_graphs = max_graphs
+        from ..flux_core.graphs import GraphGuard
         self.stats = stats if stats is not None else {}  # whole_replays / whole_eager / whole_why (the step timer)
-        self.gf = None
-        self._logged = set()
-        self.last_mode = None  # "graph" | "eager: <reason>"
-        self.failed = None  # why a capture failed: this model's steps stay eager (no retry per step)
+        self.guard = GraphGuard("whole-forward CUDA graph off for this call (per-block graphs where the weights "
+                                "are resident)", warmup=2, max_graphs=max_graphs)
+
+    @property
+    def gf(self):
+        return self.guard.gf
+
+    @property
+    def failed(self):
+        return self.guard.failed
+
+    @property
+    def last_mode(self):
+        return self.guard.last_mode
 
     def drop(self):
         """Free the captured whole-forward graphs (the model was unloaded); later calls re-capture."""
-        gf, self.gf = self.gf, None
-        if gf is not None:
-            from ..flux_core.graphs import drop_graph
-            for e in gf.graphs.values():
-                drop_graph(e.graph)
-            gf.graphs.clear()
+        self.guard.drop()
 
     def _eager(self, why, executor, *args, **kwargs):
         """The forward without the whole-forward graph: its blocks may replay per-block graphs
         (``flux_core.block_graphs``) where their weights are resident."""
         from ..flux_core import block_graphs
-        if why not in self._logged:
-            self._logged.add(why)
-            log.info("[flux_numba] whole-forward CUDA graph off for this call (per-block graphs where the "
-                     "weights are resident): %s", why)
-        self.last_mode = "eager: " + why
         self.stats["whole_eager"] = self.stats.get("whole_eager", 0) + 1
         self.stats["whole_why"] = "whole-step graph off: " + why
-        with block_graphs.allowed():
-            return executor(*args, **kwargs)
+
+        def run():
+            with block_graphs.allowed():
+                return executor(*args, **kwargs)
+        return self.guard.eager(why, run)
 
     def __call__(self, executor, x, timestep, context, y=None, guidance=None, ref_latents=None, control=None,
                  transformer_options={}, **kwargs):
+        from .host import graph_state, wrapped_object
         args = (x, timestep, context, y, guidance, ref_latents, control, transformer_options)
-        dm = executor.class_obj
+        dm = wrapped_object(executor)
         if not x.is_cuda:
             return self._eager("not a CUDA device", executor, *args, **kwargs)
         if control is not None or ref_latents is not None:
@@ -77,16 +82,12 @@ class GraphWrapper:
         extra = {k for k, v in transformer_options.get("patches", {}).items() if v}
         if extra:
             return self._eager(f"other model patches present ({sorted(extra)})", executor, *args, **kwargs)
-        why = self.failed or capture_problem(executor, transformer_options)
+        why = self.guard.failed or capture_problem(executor, transformer_options)
         if why:
             return self._eager(why, executor, *args, **kwargs)
-        from ..flux_core.graphs import GraphedForward
-        from .host import graph_state
         why, wkey = graph_state(dm, x.device)   # (one pass; also the weights' addresses for the graph)
         if why:
             return self._eager("; ".join(why), executor, *args, **kwargs)
-        if self.gf is None:
-            self.gf = GraphedForward(None, max_graphs=self.max_graphs)
         has_y, has_g = y is not None, guidance is not None  # FLUX schnell has no guidance input
 
         def fn(xx, tt, cc, *rest):
@@ -95,37 +96,31 @@ class GraphWrapper:
             gg = rest.pop(0) if has_g else None
             return executor(xx, tt, cc, yy, gg, None, None, transformer_options, **kwargs)
         # the executor and transformer_options of *this* call are what a capture records
-        self.gf.fn = fn
-        replays = getattr(self.gf, "replays", 0)
-        try:
-            out = self.gf(x, timestep, context, *[v for v in (y, guidance) if v is not None], weights_key=wkey)
-        except Exception as e:  # capture failed: never break sampling; not retried for this model
-            from ..flux_core.graphs import is_interrupt
-            if is_interrupt(e):
-                raise  # the user cancelled (ComfyUI's run_every_op inside an op): no reason to stop capturing
-            self.gf = None
-            self.failed = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
-            return self._eager(self.failed, executor, *args, **kwargs)
-        if self.gf is not None and getattr(self.gf, "replays", 0) > replays:
-            self.last_mode = "graph"
+        out = self.guard.run(fn, (x, timestep, context, *[v for v in (y, guidance) if v is not None]), wkey,
+                             lambda: self._eager_after_failure(executor, args, kwargs))
+        if self.guard.last_mode == "graph":
             self.stats["whole_replays"] = self.stats.get("whole_replays", 0) + 1
-        else:
-            self.last_mode = "warm-up"
+        elif self.guard.last_mode == "warm-up":
             self.stats["whole_why"] = "whole-step graph warming up (eager steps before its capture)"
         return out
+
+    def _eager_after_failure(self, executor, args, kwargs):
+        from ..flux_core import block_graphs
+        self.stats["whole_eager"] = self.stats.get("whole_eager", 0) + 1
+        self.stats["whole_why"] = "whole-step graph off: " + (self.guard.failed or "")
+        with block_graphs.allowed():
+            return executor(*args, **kwargs)
 
 
 def capture_problem(executor, transformer_options):
     """Why capturing the rest of this call is unsafe (see the module docstring), or None."""
-    from .host import compiler_recording
+    from .host import compiler_recording, inner_wrappers
     rec = compiler_recording()
     if rec:
         return rec
-    wrappers = getattr(executor, "wrappers", None)
-    idx = getattr(executor, "idx", None)
-    if wrappers is None or idx is None:
+    inner = inner_wrappers(executor)
+    if inner is None:
         return "cannot see the diffusion-model wrapper chain"
-    inner = [w for w in wrappers[idx + 1:]]
     if inner:
         names = sorted({getattr(w, "__name__", type(w).__name__) for w in inner})
         return f"other diffusion-model wrappers run inside this one ({names}): they would be captured"
@@ -139,8 +134,5 @@ def capture_problem(executor, transformer_options):
 
 def install(model_patcher, wrapper: GraphWrapper = None):
     """Add the graph wrapper to a (cloned) ModelPatcher."""
-    import comfy.patcher_extension
-    w = wrapper or GraphWrapper()
-    model_patcher.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY)
-    model_patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY, w)
-    return w
+    from .host import install_diffusion_wrapper
+    return install_diffusion_wrapper(model_patcher, KEY, wrapper or GraphWrapper())

@@ -1,7 +1,7 @@
 """FluxNumbaLoader: load a FLUX.1 diffusion model from ComfyUI's ``diffusion_models`` folder.
 
 Same weight-dtype choices and the same loading call as ComfyUI's UNETLoader
-(``comfy.sd.load_diffusion_model``), but the safetensors header is inspected first (no tensor data
+(``comfy.sd.load_diffusion_model``, through ``host.ui``), but the safetensors header is inspected first (no tensor data
 read, ``flux_core.checkpoint.inspect_checkpoint``) and a file that is not a FLUX.1 diffusion model
 is refused with a message that says what it looks like.  Files that are not safetensors (.ckpt,
 .pt...) cannot be inspected without reading them: they are loaded and then checked.
@@ -72,9 +72,9 @@ class FluxNumbaLoader:
 
     @classmethod
     def INPUT_TYPES(cls):
+        from .host import ui
         try:
-            import folder_paths
-            names = folder_paths.get_filename_list("diffusion_models")
+            names = ui.model_names("diffusion_models")
         except Exception:  # outside ComfyUI (schema tests)
             names = []
         return {"required": {
@@ -90,17 +90,16 @@ class FluxNumbaLoader:
         if not isinstance(unet_name, str) or not unet_name:
             raise ValueError(f"FluxNumbaLoader: unet_name must be a file name from models/diffusion_models, "
                              f"got {unet_name!r}")
-        import folder_paths
-        import comfy.sd
-        path = folder_paths.get_full_path("diffusion_models", unet_name)
+        from .host import ui
+        path = ui.model_path(unet_name, "diffusion_models")
         if path is None:
             raise FileNotFoundError(f"FluxNumbaLoader: unet_name {unet_name!r} is not in models/diffusion_models "
-                                    f"(folders: {folder_paths.get_folder_paths('diffusion_models')})")
+                                    f"(folders: {ui.model_folders('diffusion_models')})")
         cfg = check_flux_file(path)
         if cfg is not None:
             log.info("[flux_numba] %s: FLUX.1, hidden %d, %d double + %d single blocks, guidance %s",
                      unet_name, cfg.hidden_size, cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed)
-        model = comfy.sd.load_diffusion_model(path, model_options=model_options)
+        model = ui.load_diffusion_model(path, model_options)
         check_loaded_model(model, unet_name)
         return (model,)
 

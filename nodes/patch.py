@@ -145,12 +145,10 @@ def _graph_probe() -> bool:
 
 
 def _is_oom(e: BaseException) -> bool:
-    try:
-        import comfy.model_management as mm
-        if isinstance(e, mm.OOM_EXCEPTION):
-            return True
-    except Exception:
-        pass
+    from .host import ui
+    oom = ui.oom_exceptions()
+    if oom and isinstance(e, oom):
+        return True
     return isinstance(e, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(e).lower()
 
 
@@ -511,12 +509,13 @@ class _Runner:
 def _use_stock_rope():
     """The torch reference of qk_norm_rope uses ComfyUI's own RoPE (comfy-kitchen's kernel), so the
     pack's torch path costs what stock costs (a plain fp32 torch RoPE is ~13 ms/step slower)."""
-    try:
-        import comfy.ldm.flux.math as fm
-        from ..cuda_kernels import qk_norm_rope
-        qk_norm_rope.set_stock_rope(fm.apply_rope)
-    except Exception as e:
-        log.info("[flux_numba] stock RoPE not found (%s); torch path uses the plain torch RoPE", e)
+    from ..cuda_kernels import qk_norm_rope
+    from .host import stock_rope
+    rope = stock_rope()
+    if rope is None:
+        log.info("[flux_numba] stock RoPE not found; torch path uses the plain torch RoPE")
+    else:
+        qk_norm_rope.set_stock_rope(rope)
 
 
 def warm_kernels(unique_id, opts) -> dict:

@@ -10,8 +10,8 @@ Usage (in the patch node, while warming kernels)::
             prog.step(name, cached=cached)
         # or: prog.warm(name, lambda: launch_once(...), dispatchers=[my_kernel])
 
-Inside ComfyUI this drives ``comfy.utils.ProgressBar(total, node_id)`` (the green bar on the node) and
-``PromptServer.send_progress_text`` (the text under the node: "compiling ln_modulate (3/7) ..." and at the
+Inside ComfyUI this drives ComfyUI's progress bar on the node (``host.ui.progress_bar``) and the
+text under the node (``host.ui.send_progress_text``: "compiling ln_modulate (3/7) ..." and at the
 end "7 kernels ready in 41.2 s: 5 compiled, 2 from the on-disk cache").  Outside ComfyUI it only logs.
 ``set_text_sink(fn)`` lets tests capture the text.
 """
@@ -38,13 +38,8 @@ def _send_text(text: str, node_id):
     if _text_sink is not None:
         _text_sink(text, node_id)
         return
-    if node_id is None:
-        return
-    try:
-        from server import PromptServer
-        PromptServer.instance.send_progress_text(text, str(node_id))
-    except Exception:
-        pass
+    from .host import ui
+    ui.send_progress_text(text, node_id)
 
 
 def cache_hits(*dispatchers) -> int:
@@ -67,12 +62,8 @@ class CompileProgress:
         self.cached: List[str] = []
         self.compiled: List[str] = []
         self.t0 = time.perf_counter()
-        self._bar = None
-        try:
-            import comfy.utils
-            self._bar = comfy.utils.ProgressBar(self.total, node_id=self.node_id)
-        except Exception:
-            self._bar = None
+        from .host import ui
+        self._bar = ui.progress_bar(self.total, self.node_id)
 
     def text(self, msg: str):
         log.info("[flux_numba] %s", msg)

@@ -2,7 +2,7 @@
 
 How a step is measured
 ----------------------
-The node clones the MODEL and adds two ComfyUI wrappers (``comfy.patcher_extension.WrappersMP``) to the
+The node clones the MODEL and adds two ComfyUI wrappers (``host.install_sampling_wrappers``) to the
 clone, so nothing else in the model (``model_function_wrapper``, block patches, other wrappers) is touched:
 
 * ``OUTER_SAMPLE`` -- one sampler call = one *run* (run id, label, patch description, step count);
@@ -61,12 +61,8 @@ def set_sender(fn: Optional[Callable[[str, dict], Any]]):
 
 
 def _server_send(event: str, data: dict):
-    try:
-        from server import PromptServer  # ComfyUI's server module; absent outside ComfyUI
-        inst = PromptServer.instance
-    except Exception:
-        return
-    inst.send_sync(event, data, getattr(inst, "client_id", None))
+    from .host import ui
+    ui.send_event(event, data)
 
 
 def send(event: str, data: dict):
@@ -493,23 +489,14 @@ class StepTimer:
 
     # -- wrappers -------------------------------------------------------------------------------
     def outer_sample_wrapper(self, executor, *args, **kwargs):
-        sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+        from .host import guider_device, guider_transformer_options, sampler_sigmas
+        sigmas = sampler_sigmas(args, kwargs)
         total = None
         try:
             total = int(sigmas.shape[-1]) - 1
         except Exception:
             pass
-        patch = None
-        try:
-            patch = executor.class_obj.model_options.get("transformer_options", {}).get("flux_numba")
-        except Exception:
-            pass
-        dev = "cpu"
-        try:
-            dev = str(executor.class_obj.model_patcher.load_device)
-        except Exception:
-            pass
-        self.begin(total, dev, patch)
+        self.begin(total, guider_device(executor), guider_transformer_options(executor).get("flux_numba"))
         try:
             out = executor(*args, **kwargs)
         except BaseException as e:
@@ -646,16 +633,13 @@ class FluxNumbaStepTimer:
 
     def apply(self, model, label="patched", profile_split=False, unique_id=None):
         self.check_label(label)
-        import comfy.patcher_extension as pe
+        from .host import install_sampling_wrappers
 
         m = model.clone()
         patch = m.model_options.get("transformer_options", {}).get("flux_numba")
         timer = StepTimer(unique_id, str(label), bool(profile_split), patch=jsonable(patch))
         # replace (not stack) a timer already on this clone, e.g. two timers in a row
-        m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
-        m.remove_wrappers_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
-        m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, timer.outer_sample_wrapper)
-        m.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY, timer.apply_model_wrapper)
+        install_sampling_wrappers(m, WRAPPER_KEY, timer.outer_sample_wrapper, timer.apply_model_wrapper)
         return (m,)
 
 

@@ -540,7 +540,7 @@ def test_fast_profile_uses_fp8_stored_weights_as_they_are(comfy, monkeypatch):
 def test_graph_blockers_allow_resident_casts_only(comfy):
     """fp8-stored weights (manual_cast ops, cast per call from resident weights) do not block a CUDA
     graph; a weight function (on-the-fly LoRA / low-VRAM patch) does."""
-    from flux_numba_pack.nodes import host
+    from flux_numba_pack.nodes.host import flux as host
     mp = _fp8_stored_patcher(comfy)
     dm = mp.model.diffusion_model
     lins = [m for m in dm.modules() if isinstance(m, torch.nn.Linear)]
@@ -614,7 +614,7 @@ def test_fast_profile_uses_scaled_fp8_checkpoints_as_they_are(comfy, monkeypatch
     the stored e4m3 data to the GEMM with that scale -- nothing re-quantised or dequantised -- and
     matches stock closely; the exact profile still calls ComfyUI's own op."""
     from flux_numba_pack.flux_core import fast
-    from flux_numba_pack.nodes import host
+    from flux_numba_pack.nodes.host import flux as host
     if fast.support("cpu"):
         pytest.skip(fast.support("cpu"))
     quantised, operands, scales = _spy_fp8(monkeypatch)
@@ -773,7 +773,7 @@ def test_block_residency_faults_each_dynamic_module_and_compares_signatures(monk
     one), every fault is unpinned by ``release_pins``; the key changes when a page is re-faulted
     (eviction), is None when a fault finds no room, and weight functions / offloaded parameters
     make the block ungraphable."""
-    from flux_numba_pack.nodes import host
+    from flux_numba_pack.nodes.host import flux as host
     fake = _FakeModelVbar()
     monkeypatch.setattr(host, "_model_vbar", lambda: fake)
     vb = _FakeVbar()
@@ -812,7 +812,7 @@ def test_block_residency_faults_each_dynamic_module_and_compares_signatures(monk
 
 
 def test_capture_headroom_refuses_streamed_weights_and_low_memory(monkeypatch):
-    from flux_numba_pack.nodes import host
+    from flux_numba_pack.nodes.host import flux as host
     dev = torch.device("cuda", 0)
     vb = _FakeVbar(pages=8, watermark=6)
     why = host.capture_headroom(((vb, 0, 1),), dev)
@@ -861,7 +861,7 @@ def test_graphs_stand_down_while_comfys_compiler_records(comfy, monkeypatch, cap
     import threading
     import types
     import flux_numba_pack.nodes.patch as patch_mod
-    from flux_numba_pack.nodes import host
+    from flux_numba_pack.nodes.host import flux as host
     from test_block_graphs import Recorder
     fake = types.SimpleNamespace(ACTIVE_MALLOC_GRAPHS={})
     real = sys.modules.get("comfy.model_prefetch")

@@ -335,11 +335,13 @@ def test_decoder_nhwc_failure_runs_nchw(monkeypatch, caplog):
     z = torch.randn(1, 16, 2, 3, device=DEV).to(torch.bfloat16)
     ref, _ = _decode(vae, fsm, z, layout="nchw")
     calls = []
-    real = VP._upsample_forward
+    from flux_numba_pack.flux_core import vae as FV
+    from flux_numba_pack.nodes.host import vae as HV
+    real = HV._upsample_forward
 
     def boom(self, x, *a, **k):
-        calls.append(VP._is_nhwc(x))
-        if VP._is_nhwc(x):
+        calls.append(FV.is_nhwc(x))
+        if FV.is_nhwc(x):
             raise RuntimeError("injected")
         return real(self, x, *a, **k)
 
@@ -379,7 +381,8 @@ def test_decoder_low_res_graph(strict):
     ref_dec = ref.patcher.object_patches["decoder"]
     pat = out.patcher.object_patches["decoder"]
     g = pat._flux_numba_graph
-    assert isinstance(g, VP.LowResGraph) and ref_dec._flux_numba_graph is None
+    from flux_numba_pack.flux_core.vae import LowResGraph
+    assert isinstance(g, LowResGraph) and ref_dec._flux_numba_graph is None
     modes = []
     with torch.no_grad():
         for i in range(7):
@@ -458,16 +461,17 @@ def test_repatch_while_patched(strict):
     second patch node on the VAE) patches the original decoder, not the clone, and does not refuse."""
     M = _comfy()
     VP = _node_module()
+    from flux_numba_pack.nodes.host import vae as HV
     dec, fsm, vae = _small_vae(M, torch.float32)
     node = VP.FluxNumbaVAEPatch()
     first = node.patch(vae)[0]
     first.patcher.patch_model(load_weights=False)
     try:
-        assert VP.is_patched(fsm.decoder)
+        assert HV.is_patched(fsm.decoder)
         second = node.patch(vae, layout="nchw", cuda_graph="off")[0]
         assert second is not vae, "refused to patch while the first patch is applied"
         d2 = second.patcher.object_patches["decoder"]
-        assert d2 is not fsm.decoder and VP.original_decoder(d2) is dec and VP.original_decoder(fsm.decoder) is dec
+        assert d2 is not fsm.decoder and HV.original_decoder(d2) is dec and HV.original_decoder(fsm.decoder) is dec
         assert d2._flux_numba_layout == "nchw" and d2._flux_numba_graph is None
         assert set(d2.state_dict()) == set(dec.state_dict())   # the back-reference is no submodule
     finally:

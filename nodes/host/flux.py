@@ -1,7 +1,7 @@
-"""The ComfyUI host adapter: everything the pack knows about ComfyUI's FLUX modules and ops.
+"""ComfyUI's FLUX modules and ops as the pack meets them (part of the host package).
 
-Supported hosts, tested on every change: ComfyUI v0.8.0 and v0.33.0.  What differs between them
-and is handled here (nowhere else in the pack):
+Tested on every change: ComfyUI v0.8.0 and v0.33.0 (``versions``).  What differs between them and
+is handled here:
 
   * q/k norms: v0.8.0 builds them as ``comfy.ldm.flux.layers.RMSNorm`` (a ``.scale`` parameter,
     eps 1e-6 in its forward); v0.33.0 as ``operations.RMSNorm`` (``torch.nn.RMSNorm``: ``.weight``,
@@ -27,7 +27,7 @@ and is handled here (nowhere else in the pack):
     and back); stock FLUX at v0.33 does not use it.  Unstaged (and a no-op) where the module has no
     DynamicVRAM weights or the host lacks the prefetch queue (v0.8.0).
 
-The VAE patch's GroupNorm weights come through ``op_weights`` the same way.
+The VAE patch's weights come through ``op_weights`` the same way (``ComfyWeights.module``).
 
 CUDA graphs (the FLUX forward's, the VAE decoder's low-resolution stage): ``graph_state`` is the
 per-call check both run before a replay -- weights resident on the device, no DynamicVRAM staging or
@@ -44,18 +44,9 @@ from typing import Optional
 
 import torch
 
-from ..flux_core.context import Weights, own_tensors
+from ...flux_core.context import Weights, own_tensors
 
-SUPPORTED_VERSIONS = ("0.8.0", "0.33.0")
-
-
-@functools.lru_cache(maxsize=None)
-def comfy_version() -> str:
-    try:
-        import comfyui_version
-        return str(comfyui_version.__version__)
-    except Exception:
-        return "unknown"
+from .versions import comfy_version  # noqa: F401  (re-exported)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -189,7 +180,7 @@ def staged_block(blk, device, dynamic: bool):
 def fp8_stored_block(kind, blk) -> bool:
     """Every block GEMM weight is stored in fp8 e4m3 -- unscaled (UNETLoader's fp8_e4m3fn) or a
     per-tensor-scaled checkpoint -- so the fast profile uses them as they are (nothing re-quantised)."""
-    from ..flux_core import fast
+    from ...flux_core import fast
     try:
         return _FP8 is not None and all(_scaled_fp8_linear(lin) or getattr(getattr(lin, "weight", None), "dtype", None) == _FP8
                                         for lin in fast.block_linears(kind, blk))
@@ -301,6 +292,16 @@ class ComfyWeights(Weights):
 
 
 # ----------------------------------------------------------------------------- blocks
+def stock_rope():
+    """The RoPE stock FLUX calls (``comfy.ldm.flux.math.apply_rope``: comfy-kitchen's kernel where
+    ComfyUI has it), or None."""
+    try:
+        import comfy.ldm.flux.math as fm
+        return fm.apply_rope
+    except Exception:
+        return None
+
+
 def flux_types():
     """(Flux, DoubleStreamBlock, SingleStreamBlock) of the running ComfyUI."""
     from comfy.ldm.flux import layers, model
@@ -458,16 +459,6 @@ def weight_epoch(base_model):
     """Identity of the weight patches (LoRA ...) ComfyUI has applied to the model's weights now
     (``current_weight_patches_uuid``); caches of converted weights key on it."""
     return getattr(base_model, "current_weight_patches_uuid", None) if base_model is not None else None
-
-
-def dynamic_vram(model_patcher) -> bool:
-    """True when the model is managed by ComfyUI's DynamicVRAM (comfy-aimdo) patcher."""
-    try:
-        import comfy.model_patcher as mp
-        cls = getattr(mp, "ModelPatcherDynamic", None)
-        return cls is not None and isinstance(model_patcher, cls)
-    except Exception:
-        return False
 
 
 def _freezes_per_call_work(m) -> bool:
@@ -634,18 +625,3 @@ def release_pins(pinned):
         mv = _model_vbar()
         for a in pinned:
             mv.vbar_unpin(a)
-
-
-def drop_on_unload(model_patcher, key, drop):
-    """Call ``drop()`` when ComfyUI unloads the model (``ModelPatcher.detach(unpatch_all=True)``);
-    v0.8.0's ``load_models_gpu`` also detaches with ``unpatch_all=False`` on every load (weights stay
-    put: kept).  Returns False where the host has no patcher callbacks."""
-    def on_detach(mp, unpatch_all=True, *a, **k):
-        if unpatch_all:
-            drop()
-    try:
-        import comfy.patcher_extension as pe
-        model_patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, key, on_detach)
-        return True
-    except Exception:
-        return False

@@ -1,0 +1,22 @@
+"""The ComfyUI host adapter: the only place in the pack that names ComfyUI internals.
+
+  * ``flux``: ComfyUI's FLUX modules and ops -- the blocks, their weights through ComfyUI's casts
+    (DynamicVRAM staging, low-VRAM offload, fp8 storage, LoRA weight functions), residency of a
+    block's weights for per-block CUDA graphs, attention choices, what a call carries that the fused
+    path does not run;
+  * ``vae``: ComfyUI's VAE decoder classes and the signatures it calls them with;
+  * ``wrappers``: model-patcher wrappers and callbacks, the sampler's arguments;
+  * ``ui``: the server (frontend messages, progress), model files and loading;
+  * ``versions``: which ComfyUI this is and what it has, logged once.
+
+Node modules import what they need from here (``from .host import X``).
+"""
+from .flux import (ATTENTION_OVERRIDE, PATCHES_IN_BLOCKS, ComfyWeights, attention_override,  # noqa: F401
+                   block_attention, block_problem, block_residency, call_problem, capture_headroom,
+                   compiler_recording, compute_device, default_sdpa_attention, dynamic_block, flux_attention,
+                   flux_types, fp8_stored_block, graph_state, op_weights, release_pins, resolve_block,
+                   staged_block, stock_rope, weight_epoch)
+from .versions import TESTED, comfy_version, features, log_once  # noqa: F401
+from .wrappers import (drop_on_unload, guider_device, guider_transformer_options, inner_wrappers,  # noqa: F401
+                       install_diffusion_wrapper, install_sampling_wrappers, sampler_sigmas, wrapped_object)
+from . import ui, vae  # noqa: F401

@@ -1,0 +1,260 @@
+"""ComfyUI's VAE decoder as the VAE patch meets it (``comfy.ldm.modules.diffusionmodules.model``):
+its classes, the forward signatures its decoder calls them with, ComfyUI's per-op hook, and the
+patched clone of the decoder that the VAE node hands to ComfyUI as an object patch.
+
+The NHWC math itself is ComfyUI-free (``flux_core.vae``); this module maps ComfyUI onto it
+(``ComfyDecoderHost``): v0.33 calls ``ResnetBlock.forward(x, temb, conv_carry_in, conv_carry_out)``
+and ``Upsample.forward(x, conv_carry_in, conv_carry_out)`` (v0.8.0 takes the same calls with the
+extra arguments defaulted); the attention is ComfyUI's choice (``pytorch_attention`` -> the pack's
+``vae_attention``).  Patched call sites (2-D decoders only; anything else runs the stock forward):
+ResnetBlock, AttnBlock, Decoder (norm_out + nonlinearity, the NHWC body), Upsample.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import sys
+from typing import Optional
+
+import torch
+
+from ...cuda_kernels import registry
+from ...flux_core import vae
+from ...flux_core.graphs import is_interrupt, is_oom
+from .flux import op_weights
+from .wrappers import drop_on_unload
+
+log = logging.getLogger("flux_numba")
+NODE_ID = "FluxNumbaVAEPatch"
+
+_run_every_op = None
+
+
+def every_op():
+    """ComfyUI's per-op hook (``comfy.ops.run_every_op``: the interrupt check and the like), called
+    once per op the patched decoder runs; nothing outside ComfyUI."""
+    global _run_every_op
+    if _run_every_op is None:
+        try:
+            import comfy.ops
+            _run_every_op = comfy.ops.run_every_op
+        except Exception:  # outside ComfyUI
+            _run_every_op = lambda: None  # noqa: E731
+    _run_every_op()
+
+
+def decoder_classes() -> dict:
+    """ComfyUI's decoder building blocks by name (ResnetBlock, AttnBlock, Decoder, Upsample)."""
+    import comfy.ldm.modules.diffusionmodules.model as M
+    return {"ResnetBlock": M.ResnetBlock, "AttnBlock": M.AttnBlock, "Decoder": M.Decoder, "Upsample": M.Upsample}
+
+
+class ComfyDecoderHost(vae.DecoderHost):
+    """``flux_core.vae.DecoderHost`` for ComfyUI's decoder: weights through ComfyUI's op casts
+    (``op_weights``: DynamicVRAM staging, low-VRAM offload, weight functions), ComfyUI's per-op hook,
+    its blocks called with its signatures, its attention choice."""
+
+    @contextlib.contextmanager
+    def module(self, m, like):
+        with op_weights(m, like) as wb:
+            yield wb
+
+    def every_op(self):
+        every_op()
+
+    def call_block(self, blk, h, kwargs):
+        return blk(h, None, None, None, **kwargs)  # temb, conv_carry_in, conv_carry_out
+
+    def call_attn(self, blk, h, kwargs):
+        return blk(h, **kwargs)
+
+    def call_upsample(self, up, h):
+        return up(h, None, None)  # conv_carry_in, conv_carry_out
+
+    def sdpa_attention(self, blk) -> bool:
+        return getattr(blk.optimized_attention, "__name__", "") == "pytorch_attention"
+
+
+HOST = ComfyDecoderHost()
+
+
+def _graph_state(dec, device):
+    """``graph_state`` looked up on the host package at call time (one place to replace it)."""
+    return sys.modules[__package__].graph_state(dec, device)
+
+
+# ------------------------------------------------------------------ the patched classes' forwards
+def _resnet_forward(self, x, temb=None, conv_carry_in=None, conv_carry_out=None, **kwargs):
+    base = type(self).__mro__[1]
+    if x.ndim != 4 or temb is not None or conv_carry_in is not None or conv_carry_out is not None or kwargs:
+        return base.forward(self, x, temb, conv_carry_in, conv_carry_out, **kwargs)
+    return vae.resnet(self, x, HOST)
+
+
+def _attn_forward(self, x, **kwargs):
+    base = type(self).__mro__[1]
+    if x.ndim != 4 or kwargs:
+        return base.forward(self, x, **kwargs)
+    return vae.attn(self, x, HOST)
+
+
+def _upsample_forward(self, x, *args, **kwargs):
+    base = type(self).__mro__[1]
+    if kwargs or any(a is not None for a in args) or not vae.is_nhwc(x) or not vae.is_2x(self.scale_factor):
+        return base.forward(self, x, *args, **kwargs)
+    return vae.upsample_nhwc(self, x, HOST)
+
+
+def _decoder_forward(self, z, **kwargs):
+    base = type(self).__mro__[1]
+    if z.ndim != 4 or self.carried:
+        return base.forward(self, z, **kwargs)
+    backend = getattr(self, "_flux_numba_backend", "auto")
+    with vae.backend_ctx(backend):
+        why = vae.nhwc_problem(z, kwargs, getattr(self, "_flux_numba_layout", "nchw"), backend,
+                               self.__dict__.get("_flux_numba_nhwc_failed", ()))
+        if why is None:
+            try:
+                return vae.decode_nhwc(self, z, HOST, kwargs, low=self.__dict__.get("_flux_numba_graph"))
+            except Exception as e:  # logged once; this shape then runs the NCHW path
+                if registry.strict or is_oom(e) or is_interrupt(e):
+                    raise
+                self.__dict__.setdefault("_flux_numba_nhwc_failed", set()).add(tuple(z.shape))
+                log.warning("[flux_numba] %s: NHWC decoder path failed for latent %s (%s: %s); "
+                            "that shape runs the NCHW path", NODE_ID, tuple(z.shape), type(e).__name__, e)
+        return vae.body(self, z, HOST, kwargs)
+
+
+FORWARDS = {"ResnetBlock": _resnet_forward, "AttnBlock": _attn_forward, "Decoder": _decoder_forward,
+            "Upsample": _upsample_forward}
+_CLASSES = {}
+
+
+def _patched_class(cls, fwd):
+    key = (cls, fwd)
+    if key not in _CLASSES:
+        _CLASSES[key] = type("FluxNumba" + cls.__name__, (cls,), {"forward": fwd, "__module__": __name__})
+    return _CLASSES[key]
+
+
+def _clone_module(m, cls):
+    """Shallow module clone: own __dict__ / _modules / _parameters / _buffers, shared leaves."""
+    new = object.__new__(cls)
+    new.__dict__ = m.__dict__.copy()
+    for k in ("_modules", "_parameters", "_buffers"):
+        if k in new.__dict__:
+            new.__dict__[k] = copy.copy(m.__dict__[k])
+    return new
+
+
+def patched_decoder(decoder, backend: str = "auto", layout: str = "nhwc", cuda_graph: str = "auto"):
+    """Return (patched clone of ``decoder``, counts).  ``decoder`` itself is not modified: the clone
+    is a tree of cloned module objects (fresh ``__dict__`` / ``_modules``) down to each ResnetBlock /
+    AttnBlock / Upsample, whose class is a thin subclass with a patched ``forward``; every leaf
+    (conv, GroupNorm, their parameters) is the original object, so weights are shared, state-dict
+    keys are unchanged, and ComfyUI's loading / low-VRAM casting / offloading act on the same
+    parameters.  ``cuda_graph`` "auto": the NHWC path replays its low-resolution stage as a CUDA graph
+    (``flux_core.vae.LowResGraph``); "off": always eager."""
+    classes = decoder_classes()
+    table = {classes[name]: fwd for name, fwd in FORWARDS.items()}
+    counts = {name: 0 for name in FORWARDS}
+
+    def rebuild(m):
+        fwd = table.get(type(m))  # exact types only: subclasses may have other forwards
+        kids = {name: rebuild(c) if c is not None else None for name, c in m._modules.items()}
+        if fwd is None and all(kids[n] is m._modules[n] for n in kids):
+            return m
+        new = _clone_module(m, _patched_class(type(m), fwd) if fwd is not None else type(m))
+        new._modules.update(kids)
+        if fwd is not None:
+            counts[type(m).__name__] += 1
+        return new
+
+    new = rebuild(decoder)
+    new.__dict__["_flux_numba_original"] = decoder   # (not a submodule: no state-dict keys)
+    new._flux_numba_backend = backend
+    new._flux_numba_layout = layout
+    new._flux_numba_graph = vae.LowResGraph(HOST, _graph_state, NODE_ID) if cuda_graph == "auto" else None
+    new.__dict__.pop("_flux_numba_nhwc_failed", None)
+    return new, counts
+
+
+def is_patched(decoder) -> bool:
+    return type(decoder).__name__.startswith("FluxNumba")
+
+
+def original_decoder(decoder):
+    """The stock decoder behind ``decoder``: ComfyUI applies an object patch in place, so after a
+    patched VAE decoded, ``first_stage_model.decoder`` IS our clone until another patcher of that VAE
+    loads -- a node re-run then (new widget values, a second patch node on the same VAE) patches the
+    original again instead of refusing."""
+    while is_patched(decoder) and "_flux_numba_original" in decoder.__dict__:
+        decoder = decoder.__dict__["_flux_numba_original"]
+    return decoder
+
+
+def why_not_patchable(vae_obj) -> Optional[str]:
+    """None when ``vae_obj`` has a FLUX-style (16-channel, 2-D) ComfyUI Decoder, else the reason."""
+    fsm = getattr(vae_obj, "first_stage_model", None)
+    dec = original_decoder(getattr(fsm, "decoder", None))
+    if dec is None or getattr(vae_obj, "patcher", None) is None:
+        return "no first_stage_model.decoder / patcher"
+    try:
+        classes = decoder_classes()
+    except Exception as e:
+        return f"ComfyUI's VAE model module not importable ({e})"
+    if is_patched(dec):
+        return "decoder already patched"
+    if type(dec) is not classes["Decoder"]:
+        return f"decoder is {type(dec).__module__}.{type(dec).__name__}, not the image Decoder of model.py"
+    lc = getattr(vae_obj, "latent_channels", None)
+    if lc != 16:
+        return f"latent channels {lc} (the FLUX VAE has 16)"
+    if getattr(dec, "carried", False) or not isinstance(dec.conv_in, torch.nn.Conv2d):
+        return "video (3-D) decoder"
+    return None
+
+
+def patch_vae(vae_obj, backend: str = "auto", layout: str = "nhwc", cuda_graph: str = "auto"):
+    """A shallow copy of ``vae_obj`` whose ``patcher`` is a ``ModelPatcher.clone()`` carrying ONE object
+    patch, ``"decoder"`` -> the patched decoder; returns (vae, counts) or (the input, reason str).
+
+    ComfyUI applies the object patch when it loads this VAE's patcher (``VAE.decode`` and the tiled
+    decoders call ``load_models_gpu([self.patcher])`` first) and restores the stock decoder when the
+    original VAE's patcher is loaded again (``unpatch_model`` restores object patches from the backup
+    shared by clones).  The low-resolution graph is dropped when ComfyUI unloads the VAE."""
+    why = why_not_patchable(vae_obj)
+    if why:
+        return vae_obj, why
+    dec, counts = patched_decoder(original_decoder(vae_obj.first_stage_model.decoder), backend, layout, cuda_graph)
+    out = copy.copy(vae_obj)
+    out.patcher = vae_obj.patcher.clone()
+    out.patcher.add_object_patch("decoder", dec)
+    g = dec.__dict__.get("_flux_numba_graph")
+    if g is not None and not drop_on_unload(out.patcher, "flux_numba_vae_graph", lambda: g.drop()):
+        log.info("[flux_numba] %s: no detach callback on this host; the low-res graph lives as long as the VAE",
+                 NODE_ID)
+    return out, counts
+
+
+def random_vae_state_dict(seed: int = 1, generator: torch.Generator = None) -> dict:
+    """Random weights for ComfyUI's FLUX VAE (ch 128, mult [1, 2, 4, 4], z 16), in the layout
+    ``comfy.sd.VAE(sd=...)`` detects: N(0, 1/fan_in) convs, small biases, norm weights near 1
+    (ComfyUI's AutoencodingEngine names the tensors); the benchmark and the server / browser tests
+    use it when no real VAE file is at hand.  ``generator`` (instead of
+    ``seed``): draw from the caller's CPU generator, which then continues past these tensors."""
+    import math
+    from comfy.ldm.models.autoencoder import AutoencodingEngine
+    dd = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+          "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+    m = AutoencodingEngine(regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+                           encoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": dd},
+                           decoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", "params": dd})
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
+    sd = {}
+    for k, v in m.state_dict().items():
+        r = torch.randn(v.shape, generator=g)
+        sd[k] = ((1 + 0.2 * r) if ("norm" in k and k.endswith("weight")) else
+                 (0.05 * r if v.ndim == 1 else r / math.sqrt(v[0].numel()))).contiguous()
+    return sd
