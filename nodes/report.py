@@ -1,183 +1,13 @@
 """FluxNumbaTimingReport: the step-timer chart as an IMAGE plus a text table, after sampling.
 
 It takes the sampler's LATENT as a passthrough input only so that ComfyUI runs it after the sampler
-(and passes the latent on unchanged); the numbers come from ``timer``'s run store.  The chart is drawn
-with matplotlib's Agg canvas directly (``Figure`` + ``FigureCanvasAgg``; pyplot and the global
-backend are never touched, so no display is needed).
+(and passes the latent on unchanged); the numbers come from ``timing``'s run store, the drawing
+from ``timing_report``.
 """
 from __future__ import annotations
 
-from typing import Dict, List
-
-from . import timer
-
-# label -> colour; the web extension (web/flux_numba.js) uses the same rule
-FIXED_COLOURS = {"stock": "#8a8f98", "torch": "#8a8f98", "patched": "#e8743b", "numba": "#e8743b"}
-PALETTE = ["#4c8bf5", "#19a979", "#ed4a7b", "#945ecf", "#13a4b4", "#f4c20d", "#6f7dd6", "#bf399e"]
-CAT_COLOURS = {"attention": "#4c8bf5", "gemm": "#19a979", "fused": "#e8743b", "other": "#8a8f98"}
-
-
-def label_colour(label: str) -> str:
-    key = (label or "").strip().lower()
-    if key in FIXED_COLOURS:
-        return FIXED_COLOURS[key]
-    # simple string hash shared with the JS side: sum of char codes
-    return PALETTE[sum(ord(c) for c in key) % len(PALETTE)]
-
-
-def _fmt(v, nd=2):
-    return "-" if v is None else f"{v:.{nd}f}"
-
-
-def backends_text(backends: Dict[str, Dict[str, int]]) -> str:
-    if not backends:
-        return "none (stock model: no registry ops)"
-    parts = []
-    for op in sorted(backends):
-        per = backends[op]
-        parts.append(op + ":" + "/".join(f"{b}x{n}" for b, n in sorted(per.items(), key=lambda kv: -kv[1])))
-    return ", ".join(parts)
-
-
-def _model_state(r):
-    return r.get("model") or timer.model_state(r.get("patch"), r.get("backends"))
-
-
-def graphs_text(r) -> str:
-    g = r.get("graphs") or {}
-    n = len(r.get("steps") or [])
-    if not n or not any(g.get(k) for k in ("all", "some", "none")):
-        return "-"
-    return f"all {g.get('all', 0)}/{n}" + (f", some {g['some']}" if g.get("some") else "") + \
-        (f", none {g['none']}" if g.get("none") else "")
-
-
-def table_text(runs: List[dict]) -> str:
-    """A plain-text table: one row per run, then backends, patch, graph and profile lines.  A speed-up
-    against the 'stock' run is printed only for runs the pack actually ran ("patched")."""
-    if not runs:
-        return "FluxNumba timing: no timer runs recorded yet (is a FluxNumbaStepTimer before the sampler?)"
-    hdr = (f"{'run':>4} {'label':<12} {'steps':>5} {'mean ms':>9} {'min ms':>9} {'max ms':>9} {'total ms':>10} "
-           f"{'it/s':>7} {'model':<15} {'graphs':<14} {'host-bound':>10}")
-    lines = [hdr, "-" * len(hdr)]
-    for r in runs:
-        s = r["summary"]
-        hb = (r.get("graphs") or {}).get("host_bound", 0)
-        lines.append(f"{r['run']:>4} {str(r['label'])[:12]:<12} {s['steps']:>5} {_fmt(s['mean_ms']):>9} "
-                     f"{_fmt(s['min_ms']):>9} {_fmt(s['max_ms']):>9} {_fmt(s['total_ms'], 1):>10} "
-                     f"{_fmt(s['its'], 3):>7} {_model_state(r)['state']:<15} {graphs_text(r):<14} {hb:>10}")
-    lines.append("")
-    for r in runs:
-        tag = f"run {r['run']} [{r['label']}]"
-        if r.get("error"):
-            lines.append(f"{tag} FAILED after {len(r.get('steps') or [])} steps: {r['error']}")
-        ms = _model_state(r)
-        if ms["state"] != "patched" and ms.get("why"):
-            lines.append(f"{tag} {ms['state']}: {ms['why']}")
-        lines.append(f"{tag} device {r.get('device')}; backends: {backends_text(r.get('backends'))}")
-        if r.get("patch") is not None:
-            lines.append(f"{tag} patch: {r['patch']}")
-        whys = {}
-        for st in r.get("steps") or []:
-            g = st.get("graphs") or {}
-            if g.get("why") and g.get("state") != "all":
-                whys[g["why"]] = whys.get(g["why"], 0) + 1
-        for why, n in sorted(whys.items(), key=lambda kv: -kv[1])[:3]:
-            lines.append(f"{tag} {n} steps not (fully) replayed as CUDA graphs: {why}")
-        prof = r.get("profile")
-        if prof and "ms" in prof:
-            split = ", ".join(f"{k} {v:.2f} ms" for k, v in prof["ms"].items())
-            if prof.get("numba_ms"):
-                split += f" (all Numba kernels: {prof['numba_ms']:.2f} ms)"
-            if prof.get("gpu_busy_pct") is not None:
-                split += f"; GPU busy {prof['gpu_busy_pct']:.0f}% of the step's wall time"
-            lines.append(f"{tag} profiled step {prof.get('step')} ({prof.get('source')}): {split}")
-        if any(st.get("profiled") for st in r.get("steps", [])) and r["summary"]["steps"] < len(r["steps"]):
-            lines.append(f"{tag} (the profiled step is left out of mean/it/s)")
-    base = next((r for r in runs if str(r["label"]).lower() == "stock" and r["summary"]["mean_ms"]
-                 and not r.get("error")), None)
-    if base is not None:
-        for r in runs:
-            if r is base or not r["summary"]["mean_ms"]:
-                continue
-            st = _model_state(r)["state"]
-            if st == "patched" and not r.get("error"):
-                lines.append(f"speed-up {r['label']} vs stock: {base['summary']['mean_ms'] / r['summary']['mean_ms']:.3f}x "
-                             f"(mean step time)")
-            else:
-                lines.append(f"no speed-up for {r['label']} (run {r['run']}): "
-                             f"{'it failed' if r.get('error') else 'it was ' + st}")
-    return "\n".join(lines)
-
-
-def chart_array(runs: List[dict], width: int = 1024, height: int = 512):
-    """RGB float32 array [H, W, 3] in 0..1 with one bar per step per run (colour by label)."""
-    import numpy as np
-    from matplotlib.colors import to_rgba
-    from matplotlib.figure import Figure
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    dpi = 100
-    fig = Figure(figsize=(width / dpi, height / dpi), dpi=dpi)
-    FigureCanvasAgg(fig)
-    has_prof = any(r.get("profile") and "ms" in r["profile"] for r in runs)
-    if has_prof:
-        gs = fig.add_gridspec(1, 2, width_ratios=[3, 1])
-        ax = fig.add_subplot(gs[0, 0])
-        axp = fig.add_subplot(gs[0, 1])
-    else:
-        ax = fig.add_subplot(1, 1, 1)
-        axp = None
-    if not runs:
-        ax.text(0.5, 0.5, "no FluxNumba timer runs yet", ha="center", va="center", fontsize=16)
-        ax.set_axis_off()
-    else:
-        n = len(runs)
-        w = 0.8 / n
-        for i, r in enumerate(runs):
-            ms = [st["ms"] for st in r["steps"]]
-            xs = [k + (i - (n - 1) / 2) * w for k in range(len(ms))]
-            s = r["summary"]
-            state = _model_state(r)["state"]
-            lab = (f"{r['label']} (run {r['run']}): mean {_fmt(s['mean_ms'])} ms, "
-                   f"{_fmt(s['its'], 3)} it/s, total {_fmt(s['total_ms'], 1)} ms")
-            if state in ("not patched", "partly patched") or (state == "stock" and str(r["label"]).lower() != "stock"):
-                lab += f" -- {state.upper()}"
-            if r.get("error"):
-                lab += " -- FAILED"
-            # a run the pack did not (fully) run is drawn grey and hatched whatever its label says
-            col = label_colour(r["label"]) if state in ("patched", "stock") else "#b0b0b0"
-            hatch = None if state in ("patched", "stock") else "//"
-            # the profiled step (slow, left out of the mean) is drawn faded
-            cols = [to_rgba(col, 0.35 if st.get("profiled") else 1.0) for st in r["steps"]]
-            ax.bar(xs, ms, width=w, color=cols, label=lab, edgecolor="#606060" if hatch else "none",
-                   hatch=hatch, linewidth=0.5 if hatch else 0)
-            if s["mean_ms"]:
-                ax.axhline(s["mean_ms"], color=col, linestyle="--", linewidth=1)
-        from matplotlib.ticker import MaxNLocator
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers (no 0.5 ticks)
-        ax.set_xlabel("sampling step (diffusion-model call)")
-        ax.set_ylabel("ms")
-        ax.set_title("FluxNumba step times")
-        # the legend goes below the plot: inside it would cover the bars
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=1, frameon=False)
-        ax.grid(axis="y", alpha=0.3)
-    if axp is not None:
-        prof_runs = [r for r in runs if r.get("profile") and "ms" in r["profile"]]
-        for j, r in enumerate(prof_runs):
-            bottom = 0.0
-            for cat in timer.CATEGORIES:
-                v = float(r["profile"]["ms"].get(cat, 0.0))
-                axp.bar([j], [v], bottom=bottom, color=CAT_COLOURS[cat], label=cat if j == 0 else None)
-                bottom += v
-        axp.set_xticks(range(len(prof_runs)))
-        axp.set_xticklabels([str(r["label"])[:10] for r in prof_runs], fontsize=8)
-        axp.set_title("profiled step split (ms)", fontsize=9)
-        axp.legend(fontsize=7)
-    fig.tight_layout()
-    fig.canvas.draw()
-    buf = np.asarray(fig.canvas.buffer_rgba())
-    return buf[..., :3].astype(np.float32) / 255.0
+from . import timing
+from .timing_report import chart_array, table_text
 
 
 NODE_ID = "FluxNumbaTimingReport"
@@ -237,9 +67,9 @@ class FluxNumbaTimingReport:
         width = _int_input("width", width, 256, 4096)
         height = _int_input("height", height, 128, 4096)
         try:
-            runs = timer.select_runs(selection)
-        except timer.SelectionError as e:
-            raise ValueError(f"{NODE_ID}: selection {e} (use {timer.SELECTION_HELP})") from None
+            runs = timing.select_runs(selection)
+        except timing.SelectionError as e:
+            raise ValueError(f"{NODE_ID}: selection {e} (use {timing.SELECTION_HELP})") from None
         text = table_text(runs)
         img = torch.from_numpy(chart_array(runs, width, height)).unsqueeze(0)
         return {"ui": {"text": [text]}, "result": (img, text, samples)}

@@ -95,7 +95,7 @@ def rel_err(a, b):
 
 
 def patch_mod():
-    import flux_numba_pack.nodes.patch as m
+    import flux_numba_pack.nodes.runner as m
     return m
 
 

@@ -388,7 +388,7 @@ def test_patched_dynamic_blocks_are_staged_per_call(comfy, monkeypatch):
         import comfy.model_prefetch  # noqa: F401
     except ImportError:
         pytest.skip(f"ComfyUI {version()} has no block prefetch queue (staging is v0.33+)")
-    import flux_numba_pack.nodes.patch as patch_mod
+    import flux_numba_pack.nodes.runner as patch_mod
     mp = tiny_patcher(comfy)
     inp = _inputs(torch.float32)
     ref = forward(mp, inp)
@@ -405,7 +405,7 @@ def test_patched_dynamic_blocks_are_staged_per_call(comfy, monkeypatch):
 
 # ----------------------------------------------------------------------------- attention route
 def _runner(attention="auto", backend="auto"):
-    from flux_numba_pack.nodes import patch as patch_mod
+    from flux_numba_pack.nodes import runner as patch_mod
     opts = {"profile": "exact", "route_norms": True, "attention": attention, "backend": backend, "cuda_graph": "off"}
     return patch_mod._Runner(opts, None, 10_000)
 
@@ -672,7 +672,7 @@ def test_block_graphs_follow_residency_and_equal_stock(comfy, monkeypatch, case)
     third call of a block, weights moved half-way) and a recording stand-in for CUDA graphs (a replay
     re-runs the captured block over the same static buffers): every state occurs -- capture, replay,
     eager on a miss, re-capture after a move -- and the samples equal stock's."""
-    import flux_numba_pack.nodes.patch as patch_mod
+    import flux_numba_pack.nodes.runner as patch_mod
     from test_block_graphs import Recorder
     c = CASES[case]
     calls = {}
@@ -723,7 +723,7 @@ def _graphs_of(pm):
 def test_block_graphs_off_where_another_node_wraps_the_blocks(comfy, monkeypatch):
     """Another node's block replacement around ours may keep our outputs between calls: those calls
     run eagerly (no static buffers handed out)."""
-    import flux_numba_pack.nodes.patch as patch_mod
+    import flux_numba_pack.nodes.runner as patch_mod
     from test_block_graphs import Recorder
     monkeypatch.setattr(patch_mod, "block_residency", lambda blk, device, epoch: (("r", id(blk)), None, ()))
     monkeypatch.setattr(patch_mod, "BLOCK_CAPTURE", Recorder())
@@ -860,7 +860,7 @@ def test_graphs_stand_down_while_comfys_compiler_records(comfy, monkeypatch, cap
     import sys
     import threading
     import types
-    import flux_numba_pack.nodes.patch as patch_mod
+    import flux_numba_pack.nodes.runner as patch_mod
     from flux_numba_pack.nodes.host import flux as host
     from test_block_graphs import Recorder
     fake = types.SimpleNamespace(ACTIVE_MALLOC_GRAPHS={})

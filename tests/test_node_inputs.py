@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from flux_numba_pack.nodes import loader, quality, report, timer, vae_patch
+from flux_numba_pack.nodes import loader, quality, report, timer, timing, vae_patch
 
 
 @pytest.mark.parametrize("selection,what", [
@@ -27,7 +27,7 @@ def test_timing_report_bad_selection(selection, what):
 
 def test_timing_report_good_selections_still_parse():
     for sel in ("last", "all", "", None, "stock,patched", "run:3", "RUN: 7", "node:12", "some label"):
-        assert isinstance(timer.select_runs(sel), list)
+        assert isinstance(timing.select_runs(sel), list)
 
 
 @pytest.mark.parametrize("name,value", [("width", "abc"), ("width", 100), ("height", 5000), ("height", 300.5),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flux_numba_pack.cuda_kernels.registry import registry
-from flux_numba_pack.nodes import progress, quality, report, timer
+from flux_numba_pack.nodes import progress, quality, report, timer, timing, timing_report
 
 TEST_OP = "_timer_test_op"
 
@@ -68,11 +68,11 @@ def fake_comfy(monkeypatch):
 @pytest.fixture
 def sent():
     msgs = []
-    prev = timer.set_sender(lambda ev, data: msgs.append((ev, data)))
-    timer.clear_runs()
+    prev = timing.set_sender(lambda ev, data: msgs.append((ev, data)))
+    timing.clear_runs()
     yield msgs
-    timer.set_sender(prev)
-    timer.clear_runs()
+    timing.set_sender(prev)
+    timing.clear_runs()
 
 
 @pytest.fixture
@@ -139,9 +139,9 @@ def test_records_sent_for_n_steps(fake_comfy, sent, test_op):
     run_sampler(tm, n, per_step=per_step)
 
     events = [e for e, _ in sent]
-    assert events[0] == timer.EVENT_RUN and sent[0][1]["phase"] == "start"
-    assert events[-1] == timer.EVENT_RUN and sent[-1][1]["phase"] == "end"
-    steps = [d for e, d in sent if e == timer.EVENT_STEP]
+    assert events[0] == timing.EVENT_RUN and sent[0][1]["phase"] == "start"
+    assert events[-1] == timing.EVENT_RUN and sent[-1][1]["phase"] == "end"
+    steps = [d for e, d in sent if e == timing.EVENT_STEP]
     assert len(steps) == n
     for i, d in enumerate(steps):
         assert d["node"] == "12" and d["label"] == "patched" and d["step"] == i and d["index"] == i
@@ -154,10 +154,10 @@ def test_records_sent_for_n_steps(fake_comfy, sent, test_op):
     assert isinstance(sent[0][1]["patch"]["weights"], str)  # made JSON-safe
 
     # python API
-    run = timer.last_run(node_id="12")
+    run = timing.last_run(node_id="12")
     assert run is not None and run["done"] and len(run["steps"]) == n
-    assert timer.last_run(label="patched")["run"] == run["run"]
-    assert timer.get_run(run["run"])["label"] == "patched"
+    assert timing.last_run(label="patched")["run"] == run["run"]
+    assert timing.get_run(run["run"])["label"] == "patched"
     ms = [s["ms"] for s in run["steps"]]
     s = run["summary"]
     assert s["mean_ms"] == pytest.approx(sum(ms) / n) and s["total_ms"] == pytest.approx(sum(ms))
@@ -166,14 +166,14 @@ def test_records_sent_for_n_steps(fake_comfy, sent, test_op):
     assert run["backends"][test_op] == {"numba": sum(range(1, n + 1)), "torch": n}
     import json
     json.dumps(sent)  # everything sent must be JSON-serialisable
-    json.dumps(timer.get_runs())
+    json.dumps(timing.get_runs())
 
 
 def test_stock_run_has_no_backends_and_rerun_gives_new_run(fake_comfy, sent):
     (tm,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="stock", unique_id="3")
     run_sampler(tm, 3)
     run_sampler(tm, 4)
-    runs = timer.get_runs()
+    runs = timing.get_runs()
     assert [len(r["steps"]) for r in runs] == [3, 4]
     assert runs[0]["run"] != runs[1]["run"]
     assert all(st["backends"] == {} for r in runs for st in r["steps"])
@@ -183,24 +183,24 @@ def test_stock_run_has_no_backends_and_rerun_gives_new_run(fake_comfy, sent):
 def test_profile_split(fake_comfy, sent):
     (tm,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="patched", profile_split=True, unique_id="4")
     run_sampler(tm, 3, x=torch.randn(2, 4, 64, 64))
-    run = timer.last_run(node_id="4")
+    run = timing.last_run(node_id="4")
     prof = [st for st in run["steps"] if st.get("profiled")]
     assert len(prof) == 1 and prof[0]["step"] == 1
     split = run["profile"]
-    assert set(split["ms"]) == set(timer.CATEGORIES)
+    assert set(split["ms"]) == set(timing.CATEGORIES)
     assert split["ms"]["gemm"] > 0  # the fake model is a matmul
     assert run["summary"]["steps"] == 2  # profiled step left out of the mean
-    assert timer.classify("_ZN6cudapy8flux_numba_pack11ln_modulate") == "fused"
-    assert timer.classify("aten::_scaled_dot_product_flash_attention") == "attention"
-    assert timer.classify("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
-    assert timer.classify("aten::add_") == "other"
-    assert timer.classify("_ZN6cudapy15flux_numba_pack12cuda_kernels9attention7_kernel") == "attention"
+    assert timing.classify("_ZN6cudapy8flux_numba_pack11ln_modulate") == "fused"
+    assert timing.classify("aten::_scaled_dot_product_flash_attention") == "attention"
+    assert timing.classify("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert timing.classify("aten::add_") == "other"
+    assert timing.classify("_ZN6cudapy15flux_numba_pack12cuda_kernels9attention7_kernel") == "attention"
     # newer numba-cuda demangles the module path: the pack's kernels whatever its folder is called
-    assert timer.classify("_2fhome_2fx_2fcustom_nodes_2fmy_2dpack::cuda_kernels::gelu_tanh::make_gelu_kernel::"
+    assert timing.classify("_2fhome_2fx_2fcustom_nodes_2fmy_2dpack::cuda_kernels::gelu_tanh::make_gelu_kernel::"
                           "_3clocals_3e::gelu_kernel(Array<long long, 3, A, mutable, aligned>)") == "fused"
-    assert timer.classify("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7") == "attention"
-    assert timer.classify("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_gelubias_TNT") == "gemm"
-    assert timer.classify("fmha_cutlassF_bf16_aligned_64x128_rf_sm80") == "attention"
+    assert timing.classify("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7") == "attention"
+    assert timing.classify("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_gelubias_TNT") == "gemm"
+    assert timing.classify("fmha_cutlassF_bf16_aligned_64x128_rf_sm80") == "attention"
 
 
 def test_select_runs(fake_comfy, sent):
@@ -209,11 +209,11 @@ def test_select_runs(fake_comfy, sent):
     run_sampler(a, 2)
     run_sampler(b, 2)
     run_sampler(b, 3)
-    assert [(r["label"], len(r["steps"])) for r in timer.select_runs("last")] == [("stock", 2), ("patched", 3)]
-    assert [r["label"] for r in timer.select_runs("stock")] == ["stock"]
-    assert len(timer.select_runs("all")) == 3
-    assert [len(r["steps"]) for r in timer.select_runs("node:2")] == [3]
-    assert timer.select_runs("nope") == []
+    assert [(r["label"], len(r["steps"])) for r in timing.select_runs("last")] == [("stock", 2), ("patched", 3)]
+    assert [r["label"] for r in timing.select_runs("stock")] == ["stock"]
+    assert len(timing.select_runs("all")) == 3
+    assert [len(r["steps"]) for r in timing.select_runs("node:2")] == [3]
+    assert timing.select_runs("nope") == []
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -243,17 +243,17 @@ def test_report_text_and_image(fake_comfy, sent, test_op):
     assert out["ui"]["text"] == [text]
     assert "mean ms" in text and "it/s" in text and "stock" in text and "patched" in text
     assert "speed-up patched vs stock" in text
-    runs = timer.select_runs("last")
+    runs = timing.select_runs("last")
     for r in runs:
         assert f"{r['summary']['mean_ms']:.2f}" in text
     # both label colours are drawn
     px = (img[0].numpy() * 255).round().astype(int)
     for lab in ("stock", "patched"):
-        c = report.label_colour(lab)
+        c = timing_report.label_colour(lab)
         rgb = np.array([int(c[i:i + 2], 16) for i in (1, 3, 5)])
         assert (np.abs(px - rgb).sum(-1) <= 6).sum() > 50, lab
     # no runs -> placeholder image + explanatory text, no crash
-    timer.clear_runs()
+    timing.clear_runs()
     img2, text2, _ = report.FluxNumbaTimingReport().report(latent, "last", width=256, height=128)["result"]
     assert tuple(img2.shape) == (1, 128, 256, 3) and "no timer runs" in text2
 
@@ -329,9 +329,9 @@ def test_compile_progress_warm_reads_dispatcher_cache_stats():
 def test_cuda_event_timing(fake_comfy, sent):
     (tm,) = timer.FluxNumbaStepTimer().apply(FakePatcher(), label="gpu", profile_split=True, unique_id="9")
     run_sampler(tm, 5, x=torch.randn(2, 4, 256, 256, device="cuda"))
-    run = timer.last_run(node_id="9")
+    run = timing.last_run(node_id="9")
     assert [s["step"] for s in run["steps"]] == list(range(5)) and all(s["ms"] > 0 for s in run["steps"])
-    steps = [d for e, d in sent if e == timer.EVENT_STEP]
+    steps = [d for e, d in sent if e == timing.EVENT_STEP]
     assert [d["index"] for d in steps] == list(range(5))
     assert run["profile"]["source"] == "cuda kernels" and run["profile"]["ms"]["gemm"] > 0, run["profile"]
 
@@ -376,18 +376,18 @@ def test_run_not_patched_says_so_and_gets_no_speed_up(fake_comfy, sent, test_op)
     run_sampler(a, 3)
     run_sampler(b, 3)
     run_sampler(c, 3)
-    runs = timer.select_runs("last")
+    runs = timing.select_runs("last")
     states = {r["label"]: r["model"]["state"] for r in runs}
     assert states == {"stock": "stock", "patched": "not patched", "nothing ran": "partly patched"}, states
-    text = report.table_text(runs)
+    text = timing_report.table_text(runs)
     assert " vs stock:" not in text
     assert "no speed-up for patched" in text and "not patched: no CUDA GPU visible to torch" in text
     assert "no op of the pack ran" in text
-    img = report.chart_array(runs, 640, 320)
+    img = timing_report.chart_array(runs, 640, 320)
     px = (img * 255).round().astype(int)
-    orange = np.array([int(report.label_colour("patched")[i:i + 2], 16) for i in (1, 3, 5)])
+    orange = np.array([int(timing_report.label_colour("patched")[i:i + 2], 16) for i in (1, 3, 5)])
     assert (np.abs(px - orange).sum(-1) <= 6).sum() == 0, "a run that was not patched must not be drawn as patched"
-    end = [d for e, d in sent if e == timer.EVENT_RUN and d["phase"] == "end"]
+    end = [d for e, d in sent if e == timing.EVENT_RUN and d["phase"] == "end"]
     assert [d["model"]["state"] for d in end] == ["stock", "not patched", "partly patched"]
 
 
@@ -401,31 +401,31 @@ def test_failed_run_is_marked(fake_comfy, sent):
     boom.n = 0
     with pytest.raises(RuntimeError):
         run_sampler(a, 4, per_step=boom)
-    run = timer.last_run(node_id="1")
+    run = timing.last_run(node_id="1")
     assert run["done"] and "out of memory" in run["error"] and len(run["steps"]) == 2
     assert sent[-1][1]["phase"] == "end" and "out of memory" in sent[-1][1]["error"]
-    assert "FAILED after 2 steps" in report.table_text([run])
+    assert "FAILED after 2 steps" in timing_report.table_text([run])
 
 
 def test_graph_state_per_step_from_the_packs_counters(monkeypatch):
     """Each step's CUDA-graph state comes from the pack's counters around the step."""
     from collections import Counter
     st = {"block_graphs": Counter(), "block_graph_misses": {}, "fallbacks": 0}
-    g0 = timer._graph_snapshot(st)
+    g0 = timing._graph_snapshot(st)
     st["block_graphs"].update(replay=50, capture=7)
-    assert timer.graph_step(g0, timer._graph_snapshot(st), st) == {"state": "all", "mode": "blocks", "blocks": [57, 57],
+    assert timing.graph_step(g0, timing._graph_snapshot(st), st) == {"state": "all", "mode": "blocks", "blocks": [57, 57],
                                                                  "why": None}
-    g1 = timer._graph_snapshot(st)
+    g1 = timing._graph_snapshot(st)
     st["block_graphs"].update(replay=40, eager_not_resident=17)
     st["block_graph_misses"]["weights not resident (DynamicVRAM streams them)"] = 17
-    g = timer.graph_step(g1, timer._graph_snapshot(st), st)
+    g = timing.graph_step(g1, timing._graph_snapshot(st), st)
     assert g["state"] == "some" and g["blocks"] == [40, 57] and "not resident" in g["why"]
-    g2 = timer._graph_snapshot(st)
+    g2 = timing._graph_snapshot(st)
     st["whole_replays"] = 1
-    assert timer.graph_step(g2, timer._graph_snapshot(st), st)["mode"] == "whole step"
-    g3 = timer._graph_snapshot(st)
+    assert timing.graph_step(g2, timing._graph_snapshot(st), st)["mode"] == "whole step"
+    g3 = timing._graph_snapshot(st)
     st["whole_why"] = "whole-step graph off: attention mask"
-    g = timer.graph_step(g3, timer._graph_snapshot(st), st)
+    g = timing.graph_step(g3, timing._graph_snapshot(st), st)
     assert g["state"] == "none" and "attention mask" in g["why"]
-    assert timer.graphs_summary([{"graphs": {"state": "all"}}, {"graphs": {"state": "some"}, "host_bound": True}]) == \
+    assert timing.graphs_summary([{"graphs": {"state": "all"}}, {"graphs": {"state": "some"}, "host_bound": True}]) == \
         {"all": 1, "some": 1, "none": 0, "host_bound": 1}

@@ -1,0 +1,661 @@
+"""The work behind FluxNumbaPatch (``patch.py``): MODEL -> MODEL, every FLUX.1 block through
+``flux_core.blocks``.
+
+Only ComfyUI's per-model mechanisms are used: the node clones the ModelPatcher (the input model
+is never touched) and installs ``set_model_patch_replace(fn, "dit", "double_block"|"single_block", i)``
+entries in the clone's ``model_options``.  Nothing global is patched, so unpatching is ComfyUI's
+own business: the original ModelPatcher (and every clone made before this node) runs stock.
+
+Per block call ``fn(args, extra)``:
+  * the block module is the one ComfyUI is running right now (``host.resolve_block``); every fact
+    about ComfyUI's modules -- block types, how the q/k norm scales and the up-projection weights
+    are obtained (through ComfyUI's ops: DynamicVRAM staging, low-VRAM offload, fp8 storage, LoRA
+    weight functions), which host features the fused path cannot run -- comes from ``host.py``;
+  * the op policy (backend / attention / route_norms) is applied with ``registry.force(...)`` only
+    while this model's block runs, so two differently patched models in one graph don't interfere;
+  * attention "auto": the registry picks the attention op's backend once per shape (the pack's
+    kernels are opt-in; SDPA in torch's order -- FLASH first -- or cuDNN first: on an H200 0.74-0.85
+    vs 0.375 ms per FLUX call; v0.33 itself orders FLASH first, v0.8.0 cuDNN first).  Where it picks
+    SDPA and ComfyUI's attention is its plain SDPA path, the measured order runs; where ComfyUI's
+    attention is something else (sage / flash-attn / xformers / split ...), ComfyUI's is called.  An ``optimized_attention_override`` from another node always goes through
+    ComfyUI's attention;
+  * a block or call the fused path does not cover (a non-FLUX.1 block, unexpected shapes/dtypes,
+    ``attn1_patch`` / ``attn1_output_patch``, Kontext ``modulation_dims``) runs ComfyUI's original
+    block, logged once per reason;
+  * an exception inside our path: logged once, the block reruns stock, and the pack's path turns
+    itself off for this model at that forward signature (batch, tokens, dtype, device, mask):
+    later calls go straight to the original block (one dict lookup -- no checks, no copies, no
+    retries).  Only the first call of each block signature keeps a copy of img/txt, so a failure
+    after an in-place update is undone; OOM is re-raised so ComfyUI's own OOM handling sees it.
+
+CUDA graphs (``cuda_graph`` auto): the whole forward through ``cuda_graph.GraphWrapper`` where it
+can be captured; where it cannot (DynamicVRAM, wrappers inside ours, ControlNet, masks ...) each
+block call goes through ``flux_core.block_graphs.BlockGraphs`` with the host's residency key
+(``host.block_residency``): replayed while its weights stay put, eager otherwise.  A re-executed
+patch node with the same model and options reuses its runner (``_REUSE``), graphs included.
+
+Pass-through: with no usable CUDA GPU / numba the node logs why and returns the clone unpatched,
+unless backend is "torch" (the A/B baseline) or ``SIMULATOR_OK`` is set (CPU tests: the kernels in Numba's
+simulator).
+``model_options["transformer_options"]["flux_numba"]`` describes what was done (for the step timer).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+
+from .host import (ComfyWeights, attention_override, block_attention, block_problem, block_residency, call_problem,
+                   capture_headroom, compiler_recording, default_sdpa_attention, flux_types,
+                   dynamic_block, fp8_stored_block, flux_attention, release_pins, resolve_block, staged_block,
+                   weight_epoch)
+
+log = logging.getLogger("flux_numba")
+
+PROFILES = ["exact", "stock-order", "fast", "fast-cached"]
+FAST_PROFILES = ("fast", "fast-cached")
+ATTENTIONS = ["auto", "sdpa", "numba-bf16", "numba-8bit"]
+BACKENDS = ["auto", "torch", "numba"]
+CUDA_GRAPHS = ["auto", "off"]
+
+# registry backend names of the attention kernels (cuda_kernels/attention*.py register these)
+ATTENTION_BACKEND = {"numba-bf16": "numba", "numba-8bit": "numba-8bit"}
+ATTENTION_OP = "attention"
+REFERENCE_NAME = "torch"  # the registry's reference backend
+SDPA_BACKENDS = (REFERENCE_NAME, "cudnn")  # the attention op's torch SDPA backends (torch's order / cuDNN first)
+INFO_KEY = "flux_numba"
+
+# per-block graph capture function (None: CUDA graphs, flux_core.block_graphs.CudaCapture); tests set a stand-in
+BLOCK_CAPTURE = None
+
+# patch id -> live counters (calls, fallbacks, reasons); the step timer may read ``stats(id)``
+_STATS = {}
+_ids = itertools.count(1)
+
+
+_RUNNERS = weakref.WeakValueDictionary()  # patch id -> its _Runner (while a patched model holds it)
+# The last REUSE_MAX patches (model, options) keep their runner: re-executing FluxNumbaPatch with the same
+# inputs (workflows that alternate re-run the node) reuses its CUDA graphs, attention choices and fp8
+# copies instead of warming up and capturing again.  An unload frees their graphs and fp8 copies.
+_REUSE = OrderedDict()
+REUSE_MAX = 3
+
+
+def stats(patch_id: int) -> dict:
+    return _STATS.get(patch_id, {})
+
+
+def _reuse_key(model, opts):
+    return id(model), tuple(sorted(opts.items()))
+
+
+def _reused_runner(model, opts):
+    key = _reuse_key(model, opts)
+    r = _REUSE.get(key)
+    if r is None or r.model_ref() is not model:
+        _REUSE.pop(key, None)
+        return None
+    _REUSE.move_to_end(key)
+    return r
+
+
+def _release_fp8_copies(model, current):
+    """The kept fp8 weight copies (fast-cached: ~12 GB for FLUX.1-dev) of the model's other kept
+    runners are freed when another patch of that model runs: a switch back re-quantises them (tens of
+    ms of GPU work), so at most one copy per model stays on the GPU."""
+    for key, r in list(_REUSE.items()):
+        if r is not current and key[0] == id(model):
+            r.drop_fp8_copies()
+
+
+def runner_of(model_patcher):
+    """The _Runner of a patched ModelPatcher (tests, benches), or None."""
+    info = model_patcher.model_options.get("transformer_options", {}).get(INFO_KEY) or {}
+    return _RUNNERS.get(info.get("id"))
+
+
+SIMULATOR_OK = False  # tests: run the pack's path with the kernels in Numba's CUDA simulator (no GPU)
+# DynamicVRAM: stage each fused block's weights at once through ComfyUI's block prefetch (False: A/B runs)
+STAGE_BLOCKS = True
+
+
+def _simulator_ok() -> bool:
+    return bool(SIMULATOR_OK)
+
+
+def _pack():
+    """The pack's flux_core.blocks / cuda_kernels modules (relative imports, lazily)."""
+    from ..flux_core import blocks
+    from ..cuda_kernels import registry, runtime  # ``registry`` is the OpRegistry instance
+    return blocks, registry, runtime
+
+
+def _graph_probe() -> bool:
+    """Inside the CUDA-graph wrapper's sync-checked warm-up or its capture (flux_core/graphs.py):
+    an error there is the graph wrapper's to handle (it runs the step eagerly and stops capturing)
+    -- not a reason to turn the fused path off for the model."""
+    try:
+        from ..flux_core.graphs import in_probe
+        return in_probe() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    except Exception:
+        return False
+
+
+def _is_oom(e: BaseException) -> bool:
+    from .host import ui
+    oom = ui.oom_exceptions()
+    if oom and isinstance(e, oom):
+        return True
+    return isinstance(e, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(e).lower()
+
+
+# ----------------------------------------------------------------------------- checks
+def unavailable_reason(model_patcher, backend: str) -> Optional[str]:
+    """None when the numba path may run for this model; else why the node passes through."""
+    if backend == "torch" or _simulator_ok():
+        return None
+    try:
+        _, _, runtime = _pack()
+    except Exception as e:
+        return f"the pack's kernels failed to import ({type(e).__name__}: {e})"
+    why = runtime.numba_status()
+    if why:
+        return f"numba-cuda unusable: {why}"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
+    dev = getattr(model_patcher, "load_device", None)
+    if dev is None or getattr(dev, "type", str(dev)) != "cuda":
+        return f"the model runs on {dev}, the numba kernels need a CUDA device"
+    return None
+
+
+def _input_problem(kind, blk, args) -> Optional[str]:
+    C = blk.hidden_size
+    img, vec = args.get("img"), args.get("vec")
+    streams = [("img", img)] + ([("txt", args.get("txt"))] if kind == "double" else [])
+    for name, t in streams:
+        if not isinstance(t, torch.Tensor) or t.ndim != 3 or t.shape[-1] != C:
+            return f"{name} is {_desc(t)}, expected [B, L, {C}]"
+        if not t.is_floating_point():
+            return f"{name} has dtype {t.dtype}"
+    if not isinstance(vec, torch.Tensor) or vec.ndim not in (2, 3) or vec.shape[-1] != C:
+        return f"vec is {_desc(vec)}, expected [B, {C}]"
+    if vec.shape[0] not in (1, img.shape[0]):
+        return f"vec batch {vec.shape[0]} vs img batch {img.shape[0]}"
+    pe = args.get("pe")
+    if pe is not None:
+        L = img.shape[1] + (args["txt"].shape[1] if kind == "double" else 0)
+        D = C // blk.num_heads
+        if not isinstance(pe, torch.Tensor) or pe.ndim != 6 or pe.shape[2] != L or pe.shape[3] != D // 2:
+            return f"pe is {_desc(pe)}, expected [B, 1, {L}, {D // 2}, 2, 2]"
+    return None
+
+
+def _desc(t):
+    if hasattr(t, "shape"):
+        return f"{tuple(t.shape)} {getattr(t, 'dtype', '')}"
+    return type(t).__name__
+
+
+# ----------------------------------------------------------------------------- runner
+class _Runner:
+    """Shared by all block functions of one patch (and every later clone of the patched model)."""
+
+    def __init__(self, options: dict, model_ref, patch_id: int):
+        blocks, registry, runtime = _pack()
+        self.blocks = blocks
+        self.registry = registry
+        self.opts = dict(options)
+        self.model_ref = model_ref
+        self.fused = options["profile"] in ("exact",) + FAST_PROFILES
+        self.fast = options["profile"] in FAST_PROFILES
+        self._fp8 = {}  # device -> flux_core.fast.Fp8Weights, or None where fp8 cannot run (logged)
+        self.policy, self.attn_route = self._policy(options, registry)
+        self.block_ok = {}  # id(block) -> (weakref(block), reason or None, DynamicVRAM weights?, fp8-stored weights?, serial)
+        self.proven = set()  # input signatures that ran through our path once
+        self.attn_choice = {}  # attention "auto": input signature -> backend the registry chose
+        self._sdpa_direct = None  # see sdpa_direct()
+        self.logged = set()
+        self.off = {}  # forward signature -> why the fused path is off for it (turn_off)
+        self.silu_cache = {}  # shared by every block call: SiLU(vec) once per step (BlockContext.silu)
+        self.version = runtime.tensor_version
+        self.patch_id = patch_id
+        self.whole = None  # the whole-forward GraphWrapper (cuda_graph auto)
+        self.graphs = None  # flux_core.block_graphs.BlockGraphs when cuda_graph is auto (enable_block_graphs)
+        self.graph_why = {}  # why a block call could not replay (not resident, weight functions ...) -> calls
+        from ..flux_core import block_graphs
+        self._graphs_mod = block_graphs
+        while len(_STATS) >= 256:  # keep the counters of recent patches only
+            _STATS.pop(next(iter(_STATS)))
+        self.stats = _STATS.setdefault(patch_id, {"calls": 0, "fallbacks": 0, "reasons": {}})
+
+    def unloaded(self):
+        """ComfyUI unloaded the model: free the CUDA graphs and the kept fp8 weight copies."""
+        if self.graphs is not None:
+            self.graphs.drop("the model was unloaded")
+        if self.whole is not None:
+            self.whole.drop()
+        self.drop_fp8_copies()
+
+    def drop_fp8_copies(self):
+        """Free the kept fp8 weight copies, and with them every CUDA graph captured over them (a
+        replay would read freed memory: an illegal address that takes the server down)."""
+        freed = 0
+        for c in self._fp8.values():
+            if c is not None:
+                freed += c.clear() or 0
+        if freed:
+            if self.graphs is not None:
+                self.graphs.drop("its fp8 weight copies were freed")
+            if self.whole is not None:
+                self.whole.drop()
+
+    def enable_block_graphs(self, capture_fn=None):
+        self.graphs = self._graphs_mod.BlockGraphs(capture_fn)
+        self.stats["block_graphs"] = self.graphs.counts  # replay / capture / eager / eager_not_resident / failed
+        self.stats["block_graph_misses"] = self.graph_why
+        return self.graphs
+
+    @staticmethod
+    def _policy(o, registry):
+        pol = {}
+        if o["backend"] == "torch":
+            pol["*"] = "torch"
+        elif o["backend"] == "numba":
+            pol["*"] = "numba"
+        if not o["route_norms"]:
+            for name in registry.ops:
+                if name != ATTENTION_OP:
+                    pol[name] = "torch"
+        a = o["attention"]
+        if a in ATTENTION_BACKEND:
+            pol[ATTENTION_OP] = ATTENTION_BACKEND[a]
+            route = "registry"
+        elif a == "sdpa" or o["backend"] == "torch":
+            route = "comfy"
+        elif o["backend"] == "numba":
+            pol[ATTENTION_OP] = ATTENTION_BACKEND["numba-bf16"]
+            route = "registry"
+        else:  # auto/auto: the registry picks; its torch reference is replaced by ComfyUI's attention
+            pol[ATTENTION_OP] = "auto"
+            route = "auto"
+        return pol, route
+
+    def fp8_cache(self, device):
+        """The fast profile's fp8 weight cache for ``device`` (None, logged once, where it cannot run)."""
+        if device not in self._fp8:
+            from ..flux_core import fast
+            why = fast.support(device)
+            self._fp8[device] = None if why else fast.Fp8Weights(keep=self.opts["profile"] == "fast-cached")
+            self.note(("fp8", device), logging.WARNING if why else logging.INFO, "profile fast on %s: %s", device,
+                      f"{why}; running the exact profile" if why else "block GEMMs in fp8 e4m3 (row-wise scales)")
+        return self._fp8[device]
+
+    def sdpa_direct(self) -> bool:
+        """attention "auto", the registry's pick is an SDPA backend: True when ComfyUI's attention is
+        its plain SDPA path (``host.default_sdpa_attention``) -- the measured SDPA order then runs;
+        False when ComfyUI's attention is something else (sage, flash-attn, xformers, split ...:
+        chosen by the user or by ComfyUI for this platform), which is then called as ComfyUI's."""
+        d = self._sdpa_direct
+        if d is None:
+            d = self._sdpa_direct = default_sdpa_attention()
+            self.note(("sdpa direct",), logging.INFO, "attention auto: %s", "ComfyUI's attention is plain SDPA; "
+                      "the SDPA backend order is picked by measurement per shape" if d else
+                      "ComfyUI's attention is not plain SDPA (sage / flash-attn / xformers / split ...): it is called "
+                      "as ComfyUI's where the registry picks SDPA")
+        return d
+
+    def note(self, key, level, msg, *a):
+        if key not in self.logged:
+            self.logged.add(key)
+            log.log(level, "[flux_numba] " + msg, *a)
+
+    def _attention(self, topts, sig, blk=None):
+        """The BlockContext.attention callable for one block call (None: the registry's op)."""
+        route = self.attn_route
+        choice = self.attn_choice.get(sig) if route == "auto" else None
+        registry = self.registry
+
+        def comfy_attention(q, k, v, mask):
+            oa = flux_attention()  # exactly what stock FLUX calls, looked up per call
+            registry.usage[(ATTENTION_OP, "comfy")] += 1
+            registry.last[ATTENTION_OP] = "comfy"
+            return oa(q, k, v, q.shape[1], skip_reshape=True, mask=mask, transformer_options=topts)
+
+        if attention_override(topts) is not None:
+            self.note(("attention override",), logging.INFO, "another node set transformer_options['%s']: "
+                      "attention runs through ComfyUI's optimized_attention, which applies it (logged once)",
+                      "optimized_attention_override")
+            return comfy_attention
+        own = block_attention(blk)
+        if own is not None:  # the checkpoint chose this block's attention (ComfyUI 0.36+): honoured
+            self.note(("block attention",), logging.INFO, "the checkpoint sets per-block attention (%s): those "
+                      "blocks' attention runs it, as stock does (logged once)", getattr(own, "__name__", type(own).__name__))
+
+            def checkpoint_attention(q, k, v, mask):
+                registry.usage[(ATTENTION_OP, "checkpoint")] += 1
+                registry.last[ATTENTION_OP] = "checkpoint"
+                return own(q, k, v, q.shape[1], skip_reshape=True, mask=mask, transformer_options=topts)
+            return checkpoint_attention
+        if route == "comfy" or (choice in SDPA_BACKENDS and not self.sdpa_direct()):
+            return comfy_attention
+        if route == "registry" or choice is not None:
+            return None  # BlockContext calls the registry's "attention" op under the policy
+
+        def auto_attention(q, k, v, mask):
+            """First call of an input signature: let the registry choose, remember the choice."""
+            b = registry.choose(ATTENTION_OP, q, k, v, mask)
+            self.attn_choice[sig] = b.name
+            if b.name in SDPA_BACKENDS and not self.sdpa_direct():
+                return comfy_attention(q, k, v, mask)
+            registry.usage[(ATTENTION_OP, b.name)] += 1
+            registry.last[ATTENTION_OP] = b.name
+            return b.fn(q, k, v, mask)
+        return auto_attention
+
+    def fallback(self, kind, index, why, args, extra, level=logging.WARNING):
+        """Count, log once per (block kind, reason) -- not per block or step -- and run stock."""
+        reason = f"{kind} block {index}: {why}"
+        self.stats["fallbacks"] += 1
+        self.stats["reasons"][reason] = self.stats["reasons"].get(reason, 0) + 1
+        self.note(("fallback", kind, why), level, "%s; running ComfyUI's original block instead "
+                  "(logged once)", reason)
+        return extra["original_block"](args)
+
+    @staticmethod
+    def forward_sig(kind, args):
+        """One forward's input signature, the same for its double and single blocks: (batch, tokens,
+        dtype, device, mask shape)."""
+        img, txt, mask = args.get("img"), args.get("txt"), args.get("attn_mask")
+        if not isinstance(img, torch.Tensor):
+            return ("?", type(img).__name__)
+        L = img.shape[1] + (txt.shape[1] if kind == "double" and isinstance(txt, torch.Tensor) else 0)
+        return (img.shape[0], L, img.dtype, img.device, None if mask is None else tuple(mask.shape))
+
+    def turn_off(self, fsig, kind, index, why):
+        """The fused path failed for this model and input signature: from now on every block of it
+        runs stock with no checks and no copies (one log line)."""
+        self.off[fsig] = f"{kind} block {index}: {why}"
+        self.stats["off"] = dict(self.off)
+        log.warning("[flux_numba] %s block %d %s; the pack's path is off for this model at input %s "
+                    "(it runs stock from here on)", kind, index, why, fsig)
+
+    def __call__(self, kind, index, args, extra, wrapped=False):
+        fsig = self.forward_sig(kind, args)
+        if fsig in self.off:  # failed before at this signature: stock at the cost of a dict lookup
+            self.stats["stock"] = self.stats.get("stock", 0) + 1
+            return extra["original_block"](args)
+        blk = resolve_block(kind, index, extra, self.model_ref)
+        if blk is None:
+            return self.fallback(kind, index, "block module not found", args, extra)
+        hit = self.block_ok.get(id(blk))
+        if hit is None or hit[0]() is not blk:
+            hit = self.block_ok[id(blk)] = (weakref.ref(blk), block_problem(kind, blk), dynamic_block(blk),
+                                            self.fast and fp8_stored_block(kind, blk), next(_ids))
+        bad = hit[1] or call_problem(args, extra)
+        if bad is None:
+            bad = _input_problem(kind, blk, args)
+        if bad is not None:
+            return self.fallback(kind, index, bad, args, extra)
+
+        img, txt = args["img"], args.get("txt")
+        vec, pe, mask = args["vec"], args.get("pe"), args.get("attn_mask")
+        topts = args.get("transformer_options") or {}
+        sig = (kind, tuple(img.shape), img.dtype, img.device, None if txt is None else tuple(txt.shape),
+               None if mask is None else tuple(mask.shape))
+        # per-block CUDA graphs: the whole-forward graph is not running this call (block_graphs.allowed),
+        # and no other node's block replacement wraps ours (it may keep our outputs across calls)
+        use_graph = self.graphs is not None and not wrapped and self._graphs_mod.is_allowed() and not _graph_probe()
+        if use_graph:
+            rec = compiler_recording()
+            if rec:  # ComfyUI's own compiler records this forward's allocations: the pack's graphs stand down
+                self.note(("compiler",), logging.INFO, "per-block CUDA graphs stand down: %s", rec)
+                use_graph = False
+        epoch = weight_epoch(self.model_ref() if self.model_ref is not None else None)
+        attention = self._attention(topts, sig, blk)
+        fp8 = None
+        if self.fast:
+            fp8 = self.fp8_cache(img.device)
+            if fp8 is not None and not fp8.keep and hit[2] and not hit[3] and not use_graph:
+                # DynamicVRAM + bf16 weights + per-step quantisation, eager: slower than stock there;
+                # inside per-block graphs the quantisation is device work only
+                self.note(("fast-dynamic", kind), logging.WARNING,
+                          "profile fast: %s blocks have bf16 DynamicVRAM weights and per-block CUDA graphs are off "
+                          "(cuda_graph off, or another node wraps the blocks): quantising them again every step "
+                          "eagerly is slower than stock, so these blocks run the exact profile", kind)
+                fp8 = None
+        policy = self.policy
+        choice = self.attn_choice.get(sig)
+        if self.attn_route == "auto" and choice is not None and (choice not in SDPA_BACKENDS or self.sdpa_direct()):
+            policy = dict(policy, **{ATTENTION_OP: choice})  # the registry op writes straight into `out`
+
+        def run(silu_cache, host, img, txt, vec, pe, mask):
+            ctx = self.blocks.BlockContext(fused=self.fused, attention=attention, silu_cache=silu_cache,
+                                           gemm_epilogue=self.fused and self.opts["backend"] == "auto"
+                                           and self.opts["route_norms"],
+                                           host=host, quant8=self.policy.get(ATTENTION_OP) == "numba-8bit",
+                                           fp8=fp8, fp8_epoch=epoch)
+            with self.registry.force(**policy):
+                if kind == "double":
+                    o_img, o_txt = self.blocks.double_block(blk, img, txt, vec, pe, mask, ctx)
+                    return {"img": o_img, "txt": o_txt}
+                return {"img": self.blocks.single_block(blk, img, vec, pe, mask, ctx)}
+
+        def eager():
+            return self._eager(kind, index, fsig, sig, blk, hit, args, extra, run)
+
+        self.stats["calls"] += 1
+        if not use_graph:
+            return eager()
+
+        def core(img, txt=None, vec=None, pe=None, mask=None):
+            w = ComfyWeights()
+            try:
+                return run({}, w, img, txt, vec, pe, mask)  # a fresh SiLU(vec) per graph: no tensor shared between graphs
+            finally:
+                w.release()
+
+        wkey, why, pins = block_residency(blk, img.device, epoch)
+        try:
+            inputs = {"img": img, "txt": txt, "vec": vec, "pe": pe, "mask": mask} if kind == "double" else \
+                {"img": img, "vec": vec, "pe": pe, "mask": mask}
+            out = self.graphs.call((hit[4], sig), kind, wkey, inputs, core, eager,
+                                   outputs=("img", "txt") if kind == "double" else ("img",),
+                                   prepare=lambda: staged_block(blk, img.device, hit[2] and STAGE_BLOCKS),
+                                   can_capture=lambda: capture_headroom(pins, img.device))
+        finally:
+            release_pins(pins)
+        if why is not None:
+            self.graph_why[why] = self.graph_why.get(why, 0) + 1
+        return out
+
+    def _eager(self, kind, index, fsig, sig, blk, hit, args, extra, run):
+        """The block on the caller's tensors, with the first-call backup and the fallback policy."""
+        img, txt = args["img"], args.get("txt")
+        vec, pe, mask = args["vec"], args.get("pe"), args.get("attn_mask")
+        backup = None
+        if sig not in self.proven:  # the first call of a signature only: undo an in-place update on failure
+            backup = (img.clone(), None if txt is None else txt.clone())
+        versions = (self.version(img), None if txt is None else self.version(txt))
+        weights = ComfyWeights()
+        with staged_block(blk, img.device, hit[2] and STAGE_BLOCKS):
+            try:
+                out = run(self.silu_cache, weights, img, txt, vec, pe, mask)
+            except Exception as e:
+                if _is_oom(e) or _graph_probe():
+                    raise  # a CUDA-graph warm-up or capture: the graph wrapper runs the step eagerly
+                why = f"raised {type(e).__name__}: {e}"
+                if backup is not None:
+                    img.copy_(backup[0])
+                    if txt is not None:
+                        txt.copy_(backup[1])
+                else:
+                    now = (self.version(img), None if txt is None else self.version(txt))
+                    if versions[0] is None or now != versions:  # unknown (inference mode) or updated
+                        log.error("[flux_numba] %s block %d %s after updating its input in place; cannot fall "
+                                  "back", kind, index, why)
+                        raise
+                self.turn_off(fsig, kind, index, why)
+                return self.fallback(kind, index, why, args, extra)
+            finally:
+                weights.release()
+            self.proven.add(sig)
+            return out
+
+
+def _use_stock_rope():
+    """The torch reference of qk_norm_rope uses ComfyUI's own RoPE (comfy-kitchen's kernel), so the
+    pack's torch path costs what stock costs (a plain fp32 torch RoPE is ~13 ms/step slower)."""
+    from ..cuda_kernels import qk_norm_rope
+    from .host import stock_rope
+    rope = stock_rope()
+    if rope is None:
+        log.info("[flux_numba] stock RoPE not found; torch path uses the plain torch RoPE")
+    else:
+        qk_norm_rope.set_stock_rope(rope)
+
+
+def warm_kernels(unique_id, opts) -> dict:
+    """Compile (or load from the on-disk cache) the kernels this patch may use, with progress on the
+    node; failures are reported (the ops then run on torch), never raised."""
+    from ..cuda_kernels import prebuild, warmup
+    from .progress import compile_progress
+    want_attn = {"numba-bf16": {"numba"}, "numba-8bit": {"numba-8bit"}}.get(
+        opts["attention"], {"numba"} if opts["backend"] == "numba" and opts["attention"] != "sdpa" else set())
+    fp8 = False
+    if opts["profile"] in FAST_PROFILES:
+        from ..flux_core import fast
+        fp8 = fast.support("cuda") is None  # elsewhere the fast profile runs exact (logged at the first step)
+    calls = [c for c in warmup.warm_calls("cuda")
+             if (c[0] in warmup.FP8_OPS and fp8)
+             or (c[0] == "attention" and c[1] in want_attn)
+             or (c[0] not in warmup.FP8_OPS + warmup.VAE_OPS and c[0] != "attention" and opts["route_norms"])]
+    out = {}
+    build = prebuild.current()
+    if build is not None and not build.done.is_set():
+        # the kernels are being built in the background (first start after an install or update):
+        # no wait here -- each op runs ComfyUI's torch math until its kernels are stored; what the
+        # build does not cover (the pack's own attention kernels, when asked for) is warmed below
+        done, total = build.progress()
+        from .progress import _send_text
+        msg = (f"FluxNumba kernels: being built in the background ({done}/{total or '?'}); the first steps "
+               f"run ComfyUI's own math and switch to the kernels as they are ready")
+        log.info("[flux_numba] %s", msg)
+        _send_text(msg, unique_id)
+        out["background_build"] = {"done": done, "total": total, "state": build.state}
+        calls = [c for c in calls if not build.covers(c[0])]
+        if not calls:
+            return out
+    with compile_progress(unique_id, total=len(calls)) as prog:
+        res = warmup.warm_all("cuda", backends={(c[0], c[1]) for c in calls}, on_begin=prog.begin,
+                              on_step=lambda name, cached, dt, err: prog.step(name + (f" FAILED ({err})" if err else ""),
+                                                                              cached=cached))
+    out.update({k: {"s": round(v["seconds"], 2), "cached": v["cached"], "error": v["error"]} for k, v in res.items()})
+    return out
+
+
+def _make_fn(runner, kind, index, previous=None):
+    """A plain function (ModelPatcher deep-copies model_options: functions are copied by reference)."""
+    if previous is None:
+        def fn(args, extra):
+            return runner(kind, index, args, extra)
+    else:  # another node's replacement was there first: it wraps our block as its "original"
+        def fn(args, extra):
+            inner = dict(extra)
+            inner["original_block"] = lambda a: runner(kind, index, a, extra, wrapped=True)
+            return previous(args, inner)
+    fn._flux_numba = True
+    fn._flux_numba_previous = previous
+    return fn
+
+
+# ----------------------------------------------------------------------------- node
+
+
+def patch_model(model, opts: dict, unique_id=None):
+    """FluxNumbaPatch's work: a patched clone of ``model`` (the node's options, checked), or the clone
+    passed through with the reason logged; returns ``(clone,)``."""
+    m = model.clone()
+    info = dict(opts, active=False, reason=None, double_blocks=0, single_blocks=0, id=None)
+
+    why = unavailable_reason(m, opts["backend"])
+    dm = None
+    if why is None:
+        try:
+            dm = m.get_model_object("diffusion_model")
+            dm = getattr(dm, "_orig_mod", dm)  # torch.compile wrapper
+        except Exception as e:
+            why = f"model has no diffusion_model ({type(e).__name__}: {e})"
+    targets = []
+    if why is None:
+        try:
+            Flux = flux_types()[0]
+            if not isinstance(dm, Flux):
+                why = f"not a FLUX model ({type(dm).__name__})"
+            else:
+                problems = {}
+                for kind in ("double", "single"):
+                    for i, blk in enumerate(getattr(dm, f"{kind}_blocks")):
+                        p = block_problem(kind, blk)
+                        if p is None:
+                            targets.append((kind, i))
+                        else:
+                            problems.setdefault(p, []).append(i)
+                for p, idx in problems.items():
+                    log.warning("[flux_numba] FluxNumbaPatch leaves blocks %s stock: %s", idx, p)
+                if not targets:
+                    why = "no FLUX.1 blocks to patch"
+        except Exception as e:
+            why = f"cannot inspect the model ({type(e).__name__}: {e})"
+    if why is None:
+        try:
+            runner = _reused_runner(m.model, opts)
+            if runner is None:
+                runner = _Runner(opts, weakref.ref(m.model), next(_ids))
+                _RUNNERS[runner.patch_id] = runner
+                _REUSE[_reuse_key(m.model, opts)] = runner
+                while len(_REUSE) > REUSE_MAX:
+                    _REUSE.popitem(last=False)
+            _release_fp8_copies(m.model, runner)
+            patch_id = runner.patch_id
+        except Exception as e:
+            why = f"cannot set up the pack's blocks ({type(e).__name__}: {e})"
+    if why is not None:
+        log.warning("[flux_numba] FluxNumbaPatch passes the model through unpatched: %s", why)
+        info["reason"] = why
+        m.model_options["transformer_options"][INFO_KEY] = info
+        return (m,)
+
+    replaced = m.model_options["transformer_options"].get("patches_replace", {}).get("dit", {})
+    for kind, i in targets:
+        prev = replaced.get((f"{kind}_block", i))
+        if prev is not None and getattr(prev, "_flux_numba", False):
+            prev = prev._flux_numba_previous  # our own earlier patch: replace it, keep what it wrapped
+        m.set_model_patch_replace(_make_fn(runner, kind, i, prev), "dit", f"{kind}_block", i)
+        info[f"{kind}_blocks"] += 1
+    _use_stock_rope()
+    runtime = _pack()[2]
+    if opts["backend"] != "torch" and not runtime.SIMULATOR:
+        info["kernels"] = warm_kernels(unique_id, opts)
+    info["cuda_graph"] = "off"
+    if opts["cuda_graph"] == "auto":
+        from .cuda_graph import install
+        from .host import drop_on_unload
+        if runner.whole is None:
+            from .cuda_graph import GraphWrapper
+            runner.whole = install(m, GraphWrapper(stats=runner.stats))
+            runner.enable_block_graphs(BLOCK_CAPTURE)
+        else:
+            install(m, runner.whole)
+        drop_on_unload(m, "flux_numba_block_graphs", runner.unloaded)
+        info["cuda_graph"] = "auto"
+    info.update(active=True, id=patch_id, attention_route=runner.attn_route,
+                policy=dict(runner.policy), simulator=bool(getattr(runtime, "SIMULATOR", False)))
+    m.model_options["transformer_options"][INFO_KEY] = info
+    log.info("[flux_numba] FluxNumbaPatch: %d double + %d single blocks, %s", info["double_blocks"],
+             info["single_blocks"], {k: opts[k] for k in opts})
+    return (m,)
