@@ -6,7 +6,7 @@ submodule names (``img_mod.lin``, ``img_attn.qkv``, ``img_attn.norm.query_norm``
 *How* a weight is obtained is not read off attributes here: Linear layers are called as modules
 (so the host's weight casting, LoRA patches and offloading stay in charge), and where a kernel
 needs a weight tensor itself (the q/k RMSNorm scales, the GEMM-epilogue up-projection) it asks
-``BlockContext.host`` -- ``context.Weights`` for plain modules, ``nodes/host.py`` inside ComfyUI
+``BlockContext.host`` -- ``context.Weights`` for plain modules, ``nodes/host/flux.py`` inside ComfyUI
 (casts through ComfyUI's ops, honouring DynamicVRAM staging, offload and weight patches).
 
 Two paths with one math:

@@ -2,7 +2,7 @@
 settings (``BlockContext``) and the small helpers both paths use -- the exact / stock-order blocks
 (``blocks``) and the fp8 blocks (``fast``) import this module, not each other.
 
-Nothing here knows ComfyUI: a host (ComfyUI's adapter, ``nodes/host.py``) subclasses ``Weights`` to
+Nothing here knows ComfyUI: a host (ComfyUI's adapter, ``nodes/host/flux.py``) subclasses ``Weights`` to
 obtain weights the way its ops do; this pack's standalone modules (``flux_core.model``) use the
 plain ``Weights``.
 """

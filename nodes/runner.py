@@ -10,7 +10,7 @@ Per block call ``fn(args, extra)``:
   * the block module is the one ComfyUI is running right now (``host.resolve_block``); every fact
     about ComfyUI's modules -- block types, how the q/k norm scales and the up-projection weights
     are obtained (through ComfyUI's ops: DynamicVRAM staging, low-VRAM offload, fp8 storage, LoRA
-    weight functions), which host features the fused path cannot run -- comes from ``host.py``;
+    weight functions), which host features the fused path cannot run -- comes from the host package (``nodes/host/``);
   * the op policy (backend / attention / route_norms) is applied with ``registry.force(...)`` only
     while this model's block runs, so two differently patched models in one graph don't interfere;
   * attention "auto": the registry picks the attention op's backend once per shape (the pack's

@@ -1,4 +1,4 @@
-"""The ComfyUI host adapter (nodes/host.py) and the patched model in ComfyUI's own sampler, per
+"""The ComfyUI host adapter (nodes/host/) and the patched model in ComfyUI's own sampler, per
 supported ComfyUI version (the tree at $COMFYUI_PATH; test_comfyui_matrix runs this per tree).
 
 * the adapter resolves every weight a fused block needs, the way ComfyUI's ops do (q/k norm
