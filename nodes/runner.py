@@ -579,6 +579,8 @@ def _make_fn(runner, kind, index, previous=None):
 def patch_model(model, opts: dict, unique_id=None):
     """FluxNumbaPatch's work: a patched clone of ``model`` (the node's options, checked), or the clone
     passed through with the reason logged; returns ``(clone,)``."""
+    from .host import log_once
+    log_once()  # which ComfyUI, and what the host package adapts to (once per process)
     m = model.clone()
     info = dict(opts, active=False, reason=None, double_blocks=0, single_blocks=0, id=None)
 

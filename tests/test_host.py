@@ -907,3 +907,25 @@ def test_repatching_reuses_the_runner_and_frees_other_fp8_copies(comfy):
     assert runner_of(b) is not ra and not cache._cache, "another patch of the model runs: copies freed"
     got = _sample(Patch().patch(mp, backend="torch", profile="fast-cached")[0], latent)
     assert cache._cache and torch.isfinite(got).all()
+
+
+def test_versions_features_name_what_differs(comfy, caplog):
+    """host.versions: the version and what the host package adapts to, read from ComfyUI itself;
+    one log line, once."""
+    import logging
+
+    from flux_numba_pack.nodes.host import versions
+    f = versions.features()
+    assert f["version"] == version() and f["tested"]
+    if f["version"] == "0.33.0":
+        assert f["block_prefetch"] and f["qk_norm"].startswith("operations.RMSNorm")
+    if f["version"] == "0.8.0":
+        assert not f["block_prefetch"] and f["qk_norm"].startswith("RMSNorm (.scale)")
+    assert not f["model_compiler"]  # 0.36+
+    assert f["attention_containers"] == (f["version"] != "0.8.0")  # v0.33 has them (MiniMax uses them)
+    versions._logged.clear()
+    with caplog.at_level(logging.INFO, logger="flux_numba"):
+        versions.log_once()
+        versions.log_once()
+    lines = [r.getMessage() for r in caplog.records if "[flux_numba] ComfyUI" in r.getMessage()]
+    assert len(lines) == 1 and f"ComfyUI {f['version']}" in lines[0] and "block_prefetch" in lines[0]

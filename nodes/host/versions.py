@@ -10,6 +10,9 @@ package handles it:
   * the model compiler (0.36+: allocation recording + its own graphs; ``--disable-comfy-compiler``)
     -- ``flux.compiler_recording`` makes the pack's graphs stand down while it records;
   * per-block attention chosen by the checkpoint (0.36+: ``comfy_attention``) -- ``flux.block_attention``;
+    attention tensor containers (``AttentionTensorContainer``: in v0.33 for MiniMax, 0.36+ wraps
+    q/k/v in them for attention overrides) -- the pack calls ComfyUI's attention with plain tensors
+    and leaves overrides to ComfyUI's own path (``flux.attention_override``);
   * v0.33 blocks apply ``attn1_patch`` / ``attn1_output_patch`` and Kontext's ``modulation_dims``
     inside the block -- ``flux.call_problem`` runs those calls stock.
 """
