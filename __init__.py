@@ -1,4 +1,5 @@
-"""ComfyUI entry point of the FLUX Numba pack (custom_nodes/<this folder>/__init__.py).
+"""ComfyUI entry point of the FLUX Numba pack (custom_nodes/<this folder>/__init__.py): V3 nodes
+through ``comfy_entrypoint``, the web extension through ``WEB_DIRECTORY``.
 
 numba-cuda's import redirector intercepts every module whose dotted name contains "numba.cuda"
 and recurses forever.  ComfyUI imports this file under a name derived from the folder (the full
@@ -46,7 +47,8 @@ def _package_name(name: str) -> str:
 PACKAGE = _package_name(__name__)
 _nodes = importlib.import_module(PACKAGE + ".nodes")
 
-NODE_CLASS_MAPPINGS = _nodes.NODE_CLASS_MAPPINGS
-NODE_DISPLAY_NAME_MAPPINGS = _nodes.NODE_DISPLAY_NAME_MAPPINGS
+# V3 nodes: ComfyUI calls comfy_entrypoint() (no NODE_CLASS_MAPPINGS here, which it would take first);
+# the pack's nodes by id: ``nodes.node_classes()``
+comfy_entrypoint = _nodes.comfy_entrypoint
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
+__all__ = ["comfy_entrypoint", "WEB_DIRECTORY"]

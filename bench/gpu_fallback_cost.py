@@ -35,7 +35,7 @@ def main():
     sys.path.insert(0, ROOT)
     import _pack
     _pack.load()
-    from flux_numba_pack.nodes.patch import FluxNumbaPatch, stats
+    from flux_numba_pack.nodes.patch import apply as patch_apply, stats
     from flux_numba_pack.flux_core import blocks
 
     model = comfy.sd.load_diffusion_model(a.weights)
@@ -67,9 +67,9 @@ def main():
         return med
 
     res = {"stock": timed(model, "stock")}
-    pm, = FluxNumbaPatch().patch(model, profile="exact", cuda_graph="off")
+    pm, = patch_apply(model, profile="exact", cuda_graph="off")
     res["patched"] = timed(pm, "patched")
-    off, = FluxNumbaPatch().patch(model, profile="exact", cuda_graph="off")
+    off, = patch_apply(model, profile="exact", cuda_graph="off")
 
     def broken(*args, **kw):
         raise RuntimeError("bench: injected failure in the pack's block code")

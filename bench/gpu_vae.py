@@ -526,9 +526,9 @@ def run_node_path():
         return
     from flux_numba_pack.nodes import vae_patch as VP
     vae = comfy.sd.VAE(sd=sd)
-    out = VP.FluxNumbaVAEPatch().patch(vae)[0]                    # default: layout nhwc
-    out_n = VP.FluxNumbaVAEPatch().patch(vae, layout="nchw")[0]
-    out_e = VP.FluxNumbaVAEPatch().patch(vae, cuda_graph="off")[0]
+    out = VP.apply(vae)[0]                    # default: layout nhwc
+    out_n = VP.apply(vae, layout="nchw")[0]
+    out_e = VP.apply(vae, cuda_graph="off")[0]
     z = torch.randn(1, 16, 128, 128, generator=g)
     registry.take_usage()
     calls = []  # (x shape, backend) of every groupnorm_silu call of the patched decode

@@ -4,12 +4,15 @@ Same weight-dtype choices and the same loading call as ComfyUI's UNETLoader
 (``comfy.sd.load_diffusion_model``, through ``host.ui``), but the safetensors header is inspected first (no tensor data
 read, ``flux_core.checkpoint.inspect_checkpoint``) and a file that is not a FLUX.1 diffusion model
 is refused with a message that says what it looks like.  Files that are not safetensors (.ckpt,
-.pt...) cannot be inspected without reading them: they are loaded and then checked.
+.pt...) cannot be inspected without reading them: they are loaded and then checked.  V3 schema.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+
+from .host import api
 
 log = logging.getLogger("flux_numba")
 
@@ -61,48 +64,55 @@ def check_loaded_model(model_patcher, name: str):
                            f"{kind or type(base).__name__}")
 
 
-class FluxNumbaLoader:
-    DESCRIPTION = ("Loads a FLUX.1 diffusion model (like Load Diffusion Model / UNETLoader) after checking "
-                   "from the file header alone that it is FLUX.1; other files are refused with a clear message.")
-    CATEGORY = "FluxNumba"
-    RETURN_TYPES = ("MODEL",)
-    RETURN_NAMES = ("model",)
-    OUTPUT_TOOLTIPS = ("The FLUX.1 diffusion model.",)
-    FUNCTION = "load"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        from .host import ui
-        try:
-            names = ui.model_names("diffusion_models")
-        except Exception:  # outside ComfyUI (schema tests)
-            names = []
-        return {"required": {
-            "unet_name": (names, {"tooltip": "A FLUX.1 diffusion model in models/diffusion_models "
-                                             "(e.g. flux1-dev.safetensors)."}),
-            "weight_dtype": (WEIGHT_DTYPES, {"default": "default", "tooltip":
-                                             "Storage dtype of the weights, as in Load Diffusion Model "
-                                             "(fp8_e4m3fn_fast also uses fp8 matmuls where supported)."}),
-        }}
-
-    def load(self, unet_name, weight_dtype="default"):
-        model_options = weight_dtype_options(weight_dtype)
-        if not isinstance(unet_name, str) or not unet_name:
-            raise ValueError(f"FluxNumbaLoader: unet_name must be a file name from models/diffusion_models, "
-                             f"got {unet_name!r}")
-        from .host import ui
-        path = ui.model_path(unet_name, "diffusion_models")
-        if path is None:
-            raise FileNotFoundError(f"FluxNumbaLoader: unet_name {unet_name!r} is not in models/diffusion_models "
-                                    f"(folders: {ui.model_folders('diffusion_models')})")
-        cfg = check_flux_file(path)
-        if cfg is not None:
-            log.info("[flux_numba] %s: FLUX.1, hidden %d, %d double + %d single blocks, guidance %s",
-                     unet_name, cfg.hidden_size, cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed)
-        model = ui.load_diffusion_model(path, model_options)
-        check_loaded_model(model, unet_name)
-        return (model,)
+NODE_ID = "FluxNumbaLoader"
+DISPLAY_NAME = "FLUX Numba Loader (FLUX.1 diffusion model)"
 
 
-NODE_CLASS_MAPPINGS = {"FluxNumbaLoader": FluxNumbaLoader}
-NODE_DISPLAY_NAME_MAPPINGS = {"FluxNumbaLoader": "FLUX Numba Loader (FLUX.1 diffusion model)"}
+def load(unet_name, weight_dtype="default"):
+    """What the node does: ``(model,)`` loaded by ComfyUI after the header check."""
+    model_options = weight_dtype_options(weight_dtype)
+    if not isinstance(unet_name, str) or not unet_name:
+        raise ValueError(f"{NODE_ID}: unet_name must be a file name from models/diffusion_models, got {unet_name!r}")
+    from .host import ui
+    path = ui.model_path(unet_name, "diffusion_models")
+    if path is None:
+        raise FileNotFoundError(f"{NODE_ID}: unet_name {unet_name!r} is not in models/diffusion_models "
+                                f"(folders: {ui.model_folders('diffusion_models')})")
+    cfg = check_flux_file(path)
+    if cfg is not None:
+        log.info("[flux_numba] %s: FLUX.1, hidden %d, %d double + %d single blocks, guidance %s",
+                 unet_name, cfg.hidden_size, cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed)
+    model = ui.load_diffusion_model(path, model_options)
+    check_loaded_model(model, unet_name)
+    return (model,)
+
+
+@functools.lru_cache(maxsize=None)
+def node_class():
+    """The V3 node class, defined on first use (it needs ComfyUI's ``comfy_api``)."""
+    io = api.io()
+
+    class FluxNumbaLoader(io.ComfyNode):
+        @classmethod
+        def define_schema(cls):
+            from .host import ui
+            try:
+                names = ui.model_names("diffusion_models")
+            except Exception:
+                names = []
+            return io.Schema(
+                node_id=NODE_ID, display_name=DISPLAY_NAME, category="FluxNumba",
+                description="Loads a FLUX.1 diffusion model (like Load Diffusion Model / UNETLoader) after checking "
+                            "from the file header alone that it is FLUX.1; other files are refused with a clear message.",
+                inputs=[io.Combo.Input("unet_name", options=names, tooltip="A FLUX.1 diffusion model in "
+                                       "models/diffusion_models (e.g. flux1-dev.safetensors)."),
+                        io.Combo.Input("weight_dtype", options=WEIGHT_DTYPES, default="default",
+                                       tooltip="Storage dtype of the weights, as in Load Diffusion Model "
+                                               "(fp8_e4m3fn_fast also uses fp8 matmuls where supported).")],
+                outputs=[io.Model.Output(display_name="model", tooltip="The FLUX.1 diffusion model.")])
+
+        @classmethod
+        def execute(cls, unet_name, weight_dtype="default"):
+            return io.NodeOutput(*load(unet_name, weight_dtype))
+
+    return FluxNumbaLoader

@@ -6,7 +6,10 @@ averaged over the batch.  Identical images give PSNR = inf.
 """
 from __future__ import annotations
 
+import functools
 import math
+
+from .host import api
 
 
 def _as_numpy(img, name):
@@ -64,36 +67,44 @@ def _fmt_psnr(p):
     return "inf (identical)" if math.isinf(p) else f"{p:.2f} dB"
 
 
-class FluxNumbaQualityCompare:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "image_a": ("IMAGE", {"tooltip": "Reference images, e.g. the stock model's output."}),
-                "image_b": ("IMAGE", {"tooltip": "Images to compare, e.g. the patched model's output. "
-                                                 "Same batch size and resolution as image_a."}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    RETURN_TYPES = ("FLOAT", "FLOAT")
-    RETURN_NAMES = ("psnr", "ssim")
-    OUTPUT_TOOLTIPS = ("PSNR in dB (data range 1.0), mean over the batch; inf when identical.",
-                       "SSIM (scikit-image, colour channels), mean over the batch; 1.0 when identical.")
-    FUNCTION = "compare"
-    CATEGORY = "FluxNumba"
-    OUTPUT_NODE = True
-    DESCRIPTION = ("PSNR and SSIM between two image batches (skimage.metrics), shown on the node. "
-                   "Same seed and settings in both branches make this a check that the patched model draws "
-                   "the same picture.")
-
-    def compare(self, image_a, image_b, unique_id=None):
-        psnr, ssim, per = compare(image_a, image_b)
-        lines = [f"PSNR {_fmt_psnr(psnr)}   SSIM {ssim:.5f}"]
-        if len(per) > 1:
-            lines += [f"  image {i}: PSNR {_fmt_psnr(p)}, SSIM {s:.5f}" for i, (p, s) in enumerate(per)]
-        return {"ui": {"text": ["\n".join(lines)]}, "result": (float(psnr), float(ssim))}
+NODE_ID = "FluxNumbaQualityCompare"
+DISPLAY_NAME = "FluxNumba Quality Compare (PSNR/SSIM)"
 
 
-NODE_CLASS_MAPPINGS = {"FluxNumbaQualityCompare": FluxNumbaQualityCompare}
-NODE_DISPLAY_NAME_MAPPINGS = {"FluxNumbaQualityCompare": "FluxNumba Quality Compare (PSNR/SSIM)"}
+def report(image_a, image_b):
+    """What the node does: (psnr, ssim, the text shown on the node)."""
+    psnr, ssim, per = compare(image_a, image_b)
+    lines = [f"PSNR {_fmt_psnr(psnr)}   SSIM {ssim:.5f}"]
+    if len(per) > 1:
+        lines += [f"  image {i}: PSNR {_fmt_psnr(p)}, SSIM {s:.5f}" for i, (p, s) in enumerate(per)]
+    return float(psnr), float(ssim), "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=None)
+def node_class():
+    """The V3 node class, defined on first use (it needs ComfyUI's ``comfy_api``)."""
+    io = api.io()
+
+    class FluxNumbaQualityCompare(io.ComfyNode):
+        @classmethod
+        def define_schema(cls):
+            return io.Schema(
+                node_id=NODE_ID, display_name=DISPLAY_NAME, category="FluxNumba", is_output_node=True,
+                description="PSNR and SSIM between two image batches (skimage.metrics), shown on the node. Same "
+                            "seed and settings in both branches make this a check that the patched model draws the "
+                            "same picture.",
+                inputs=[io.Image.Input("image_a", tooltip="Reference images, e.g. the stock model's output."),
+                        io.Image.Input("image_b", tooltip="Images to compare, e.g. the patched model's output. "
+                                                          "Same batch size and resolution as image_a.")],
+                outputs=[io.Float.Output(display_name="psnr", tooltip="PSNR in dB (data range 1.0), mean over the "
+                                                                      "batch; inf when identical."),
+                         io.Float.Output(display_name="ssim", tooltip="SSIM (scikit-image, colour channels), mean "
+                                                                      "over the batch; 1.0 when identical.")],
+                hidden=[io.Hidden.unique_id])
+
+        @classmethod
+        def execute(cls, image_a, image_b):
+            psnr, ssim, text = report(image_a, image_b)
+            return io.NodeOutput(psnr, ssim, ui={"text": [text]})
+
+    return FluxNumbaQualityCompare

@@ -1,4 +1,4 @@
-"""FluxNumbaTimingReport: the step-timer chart as an IMAGE plus a text table, after sampling.
+"""FluxNumbaTimingReport: the step-timer chart as an IMAGE plus a text table, after sampling (V3 schema).
 
 It takes the sampler's LATENT as a passthrough input only so that ComfyUI runs it after the sampler
 (and passes the latent on unchanged); the numbers come from ``timing``'s run store, the drawing
@@ -6,7 +6,10 @@ from ``timing_report``.
 """
 from __future__ import annotations
 
+import functools
+
 from . import timing
+from .host import api
 from .timing_report import chart_array, table_text
 
 
@@ -25,55 +28,61 @@ def _int_input(name, value, lo, hi):
     return v
 
 
-class FluxNumbaTimingReport:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "samples": ("LATENT", {"tooltip": "The sampler's output. Only orders this node after sampling; "
-                                                  "passed through unchanged."}),
-                "selection": ("STRING", {"default": "last", "multiline": False,
-                                         "tooltip": "Which runs: 'last' = newest run of every label; a label "
-                                                    "(e.g. 'patched'); several comma-separated ('stock,patched'); "
-                                                    "'all'; 'run:<id>'; 'node:<timer node id>'."}),
-            },
-            "optional": {
-                "samples_2": ("LATENT", {"tooltip": "Optional: a second sampler's output (e.g. the stock branch), "
-                                                    "only so this node runs after BOTH samplers. Not passed on."}),
-                "width": ("INT", {"default": 1024, "min": 256, "max": 4096, "step": 8,
-                                  "tooltip": "Chart image width in pixels."}),
-                "height": ("INT", {"default": 512, "min": 128, "max": 4096, "step": 8,
-                                   "tooltip": "Chart image height in pixels."}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    RETURN_TYPES = ("IMAGE", "STRING", "LATENT")
-    RETURN_NAMES = ("chart", "table", "samples")
-    OUTPUT_TOOLTIPS = ("Bar chart of the step times (one bar per step, colour per label).",
-                       "Text table: mean/min/max/total ms, it/s, backends per run.",
-                       "The input latent, unchanged.")
-    FUNCTION = "report"
-    CATEGORY = "FluxNumba"
-    OUTPUT_NODE = True
-    DESCRIPTION = "Chart + table of FluxNumbaStepTimer runs; connect after the sampler(s)."
-
-    @classmethod
-    def IS_CHANGED(cls, **kwargs):
-        return float("nan")  # reads the timer's run store: always re-run
-
-    def report(self, samples, selection="last", samples_2=None, width=1024, height=512, unique_id=None):
-        import torch
-        width = _int_input("width", width, 256, 4096)
-        height = _int_input("height", height, 128, 4096)
-        try:
-            runs = timing.select_runs(selection)
-        except timing.SelectionError as e:
-            raise ValueError(f"{NODE_ID}: selection {e} (use {timing.SELECTION_HELP})") from None
-        text = table_text(runs)
-        img = torch.from_numpy(chart_array(runs, width, height)).unsqueeze(0)
-        return {"ui": {"text": [text]}, "result": (img, text, samples)}
+DISPLAY_NAME = "FluxNumba Timing Report"
 
 
-NODE_CLASS_MAPPINGS = {"FluxNumbaTimingReport": FluxNumbaTimingReport}
-NODE_DISPLAY_NAME_MAPPINGS = {"FluxNumbaTimingReport": "FluxNumba Timing Report"}
+def report(samples, selection="last", samples_2=None, width=1024, height=512):
+    """What the node does: (chart image [1, H, W, 3], table text, samples)."""
+    import torch
+    width = _int_input("width", width, 256, 4096)
+    height = _int_input("height", height, 128, 4096)
+    try:
+        runs = timing.select_runs(selection)
+    except timing.SelectionError as e:
+        raise ValueError(f"{NODE_ID}: selection {e} (use {timing.SELECTION_HELP})") from None
+    text = table_text(runs)
+    img = torch.from_numpy(chart_array(runs, width, height)).unsqueeze(0)
+    return img, text, samples
+
+
+@functools.lru_cache(maxsize=None)
+def node_class():
+    """The V3 node class, defined on first use (it needs ComfyUI's ``comfy_api``)."""
+    io = api.io()
+
+    class FluxNumbaTimingReport(io.ComfyNode):
+        @classmethod
+        def define_schema(cls):
+            return io.Schema(
+                node_id=NODE_ID, display_name=DISPLAY_NAME, category="FluxNumba", is_output_node=True,
+                description="Chart + table of FluxNumbaStepTimer runs; connect after the sampler(s).",
+                inputs=[io.Latent.Input("samples", tooltip="The sampler's output. Only orders this node after "
+                                                           "sampling; passed through unchanged."),
+                        io.String.Input("selection", default="last", multiline=False,
+                                        tooltip="Which runs: 'last' = newest run of every label; a label (e.g. "
+                                                "'patched'); several comma-separated ('stock,patched'); 'all'; "
+                                                "'run:<id>'; 'node:<timer node id>'."),
+                        io.Latent.Input("samples_2", optional=True,
+                                        tooltip="Optional: a second sampler's output (e.g. the stock branch), only so "
+                                                "this node runs after BOTH samplers. Not passed on."),
+                        io.Int.Input("width", default=1024, min=256, max=4096, step=8, optional=True,
+                                     tooltip="Chart image width in pixels."),
+                        io.Int.Input("height", default=512, min=128, max=4096, step=8, optional=True,
+                                     tooltip="Chart image height in pixels.")],
+                outputs=[io.Image.Output(display_name="chart",
+                                         tooltip="Bar chart of the step times (one bar per step, colour per label)."),
+                         io.String.Output(display_name="table",
+                                          tooltip="Text table: mean/min/max/total ms, it/s, backends per run."),
+                         io.Latent.Output(display_name="samples", tooltip="The input latent, unchanged.")],
+                hidden=[io.Hidden.unique_id])
+
+        @classmethod
+        def fingerprint_inputs(cls, **kwargs):
+            return float("nan")  # reads the timer's run store: always re-run
+
+        @classmethod
+        def execute(cls, samples, selection="last", samples_2=None, width=1024, height=512):
+            img, text, samples = report(samples, selection, samples_2, width, height)
+            return io.NodeOutput(img, text, samples, ui={"text": [text]})
+
+    return FluxNumbaTimingReport

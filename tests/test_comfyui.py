@@ -99,9 +99,13 @@ def patch_mod():
     return m
 
 
-def Patch():
-    from flux_numba_pack.nodes.patch import FluxNumbaPatch
-    return FluxNumbaPatch()
+class Patch:
+    """FluxNumbaPatch as ComfyUI runs it: the V3 class's ``execute`` (``patch(model, **widgets)`` ->
+    its result tuple)."""
+
+    def patch(self, model, **widgets):
+        from flux_numba_pack.nodes import node_classes
+        return node_classes()["FluxNumbaPatch"].EXECUTE_NORMALIZED(model, **widgets).result
 
 
 def patch_stats(mp):
@@ -419,7 +423,8 @@ def test_loader_node(comfy, tmp_path, monkeypatch):
     import folder_paths
     from safetensors.torch import save_file
     from flux_numba_pack.flux_core import tiny_state_dict, NotFluxError
-    from flux_numba_pack.nodes.loader import FluxNumbaLoader
+    from flux_numba_pack.nodes import node_classes
+    FluxNumbaLoader = node_classes()["FluxNumbaLoader"]
 
     save_file({k: torch.zeros(2, 2) for k in ("input_blocks.0.0.weight", "label_emb.0.0.weight")},
               str(tmp_path / "sdxl.safetensors"))
@@ -427,7 +432,8 @@ def test_loader_node(comfy, tmp_path, monkeypatch):
     monkeypatch.setitem(folder_paths.folder_names_and_paths, "diffusion_models",
                         ([str(tmp_path)], folder_paths.supported_pt_extensions))
     monkeypatch.setattr(folder_paths, "filename_list_cache", {})
-    assert {"sdxl.safetensors", "tiny_flux.safetensors"} <= set(FluxNumbaLoader.INPUT_TYPES()["required"]["unet_name"][0])
+    from test_workflows import combo_options
+    assert {"sdxl.safetensors", "tiny_flux.safetensors"} <= set(combo_options(FluxNumbaLoader.INPUT_TYPES(), "unet_name"))
 
     calls = []
     detected = {"image_model": "flux"}
@@ -438,13 +444,13 @@ def test_loader_node(comfy, tmp_path, monkeypatch):
     monkeypatch.setattr(comfy.sd, "load_diffusion_model", fake_load)
 
     with pytest.raises(NotFluxError, match="sdxl.safetensors: not a FLUX.1 diffusion model.*SDXL"):
-        FluxNumbaLoader().load("sdxl.safetensors", "default")
+        FluxNumbaLoader.EXECUTE_NORMALIZED("sdxl.safetensors", "default")
     assert not calls, "a refused file must not be loaded"
-    model, = FluxNumbaLoader().load("tiny_flux.safetensors", "fp8_e4m3fn_fast")
+    model, = FluxNumbaLoader.EXECUTE_NORMALIZED("tiny_flux.safetensors", "fp8_e4m3fn_fast").result
     assert calls == [("tiny_flux.safetensors", {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True})]
     detected["image_model"] = "flux2"
     with pytest.raises(NotFluxError, match="flux2"):
-        FluxNumbaLoader().load("tiny_flux.safetensors", "default")
+        FluxNumbaLoader.EXECUTE_NORMALIZED("tiny_flux.safetensors", "default")
 
 
 def test_patch_composes_with_other_block_patches(comfy):

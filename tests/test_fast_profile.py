@@ -121,7 +121,7 @@ def test_freeing_fp8_copies_drops_the_graphs_that_read_them():
 
     from flux_numba_pack.flux_core import fast
     from flux_numba_pack.nodes import runner as P
-    from flux_numba_pack.nodes.patch import FluxNumbaPatch
+    from flux_numba_pack.nodes.patch import options
 
     class Model:
         pass
@@ -134,8 +134,8 @@ def test_freeing_fp8_copies_drops_the_graphs_that_read_them():
             self.why.append(why)
 
     model = Model()
-    cached = P._Runner(FluxNumbaPatch.options(profile="fast-cached"), weakref.ref(model), 901)
-    exact = P._Runner(FluxNumbaPatch.options(profile="exact"), weakref.ref(model), 902)
+    cached = P._Runner(options(profile="fast-cached"), weakref.ref(model), 901)
+    exact = P._Runner(options(profile="exact"), weakref.ref(model), 902)
     f8 = fast.Fp8Weights(keep=True)
     lin = torch.nn.Linear(16, 8)
     f8._cache[id(lin)] = (weakref.ref(lin), ("k",), torch.zeros(8, 16), torch.ones(8))

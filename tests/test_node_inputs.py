@@ -1,5 +1,6 @@
-"""A bad widget value on any pack node: an error that names the node and the input (no ComfyUI
-needed: each check runs before the node touches ComfyUI).  FluxNumbaPatch has its own tests in
+"""A bad widget value on any pack node: an error that names the node and the input.  No ComfyUI
+needed: each node module's ``apply`` / ``load`` / ``report`` (what the V3 node's ``execute`` calls)
+checks its values before it touches ComfyUI.  FluxNumbaPatch has its own tests in
 test_pack_import.py (``FluxNumbaPatch: profile must be one of ...``)."""
 import sys
 import types
@@ -19,7 +20,7 @@ from flux_numba_pack.nodes import loader, quality, report, timer, timing, vae_pa
 ])
 def test_timing_report_bad_selection(selection, what):
     with pytest.raises(ValueError) as ei:
-        report.FluxNumbaTimingReport().report({"samples": torch.zeros(1)}, selection=selection)
+        report.report({"samples": torch.zeros(1)}, selection=selection)
     msg = str(ei.value)
     assert msg.startswith("FluxNumbaTimingReport: selection ") and what in msg, msg
     assert "'last', 'all', a label" in msg  # says what is accepted
@@ -34,25 +35,25 @@ def test_timing_report_good_selections_still_parse():
                                         ("width", None)])
 def test_timing_report_bad_size(name, value):
     with pytest.raises(ValueError, match=rf"^FluxNumbaTimingReport: {name} must be a whole number of pixels"):
-        report.FluxNumbaTimingReport().report({}, **{name: value})
+        report.report({}, **{name: value})
 
 
 @pytest.mark.parametrize("label", ["", "   ", "a,b", "last", "ALL", "run:3", "node:1", None, 3])
 def test_step_timer_bad_label(label):
     with pytest.raises(ValueError, match=r"^FluxNumbaStepTimer: label "):
-        timer.FluxNumbaStepTimer().apply(model=None, label=label)
+        timer.apply(model=None, label=label)
 
 
 def test_step_timer_good_labels():
     for label in ("stock", "patched", "exact 1024", "fp8-fast"):
-        assert timer.FluxNumbaStepTimer.check_label(label) == label
+        assert timer.check_label(label) == label
 
 
 def test_loader_bad_weight_dtype_and_name(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match=r"^FluxNumbaLoader: weight_dtype must be one of .*'int4'"):
-        loader.FluxNumbaLoader().load("flux1-dev.safetensors", "int4")
+        loader.load("flux1-dev.safetensors", "int4")
     with pytest.raises(ValueError, match=r"^FluxNumbaLoader: unet_name must be a file name"):
-        loader.FluxNumbaLoader().load(None, "default")
+        loader.load(None, "default")
     # a name ComfyUI's folder_paths does not find, and a file that is not a checkpoint
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"abcdef")
@@ -66,9 +67,9 @@ def test_loader_bad_weight_dtype_and_name(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "comfy", comfy)
     monkeypatch.setitem(sys.modules, "comfy.sd", comfy.sd)
     with pytest.raises(FileNotFoundError, match=r"^FluxNumbaLoader: unet_name 'nope.safetensors' is not in"):
-        loader.FluxNumbaLoader().load("nope.safetensors", "default")
+        loader.load("nope.safetensors", "default")
     with pytest.raises(ValueError, match=r"^FluxNumbaLoader: unet_name junk.safetensors: .*too short"):
-        loader.FluxNumbaLoader().load("junk.safetensors", "default")
+        loader.load("junk.safetensors", "default")
 
 
 @pytest.mark.parametrize("kw,match", [({"backend": "cuda"}, "backend must be one of"),
@@ -76,14 +77,14 @@ def test_loader_bad_weight_dtype_and_name(monkeypatch, tmp_path):
                                       ({"layout": "NCHW"}, "layout must be one of")])
 def test_vae_patch_bad_widget(kw, match):
     with pytest.raises(ValueError, match=rf"^FluxNumbaVAEPatch: {match}"):
-        vae_patch.FluxNumbaVAEPatch().patch(vae=None, **kw)
+        vae_patch.apply(vae=None, **kw)
 
 
 def test_quality_compare_bad_inputs():
     img = torch.rand(1, 8, 8, 3)
     with pytest.raises(ValueError, match=r"^FluxNumbaQualityCompare: image_b is missing"):
-        quality.FluxNumbaQualityCompare().compare(img, None)
+        quality.report(img, None)
     with pytest.raises(ValueError, match=r"^FluxNumbaQualityCompare: image_a must be an IMAGE batch"):
-        quality.FluxNumbaQualityCompare().compare({"not": "an image"}, img)
+        quality.report({"not": "an image"}, img)
     with pytest.raises(ValueError, match=r"^FluxNumbaQualityCompare: the two images must have the same shape"):
-        quality.FluxNumbaQualityCompare().compare(img, torch.rand(1, 8, 9, 3))
+        quality.report(img, torch.rand(1, 8, 9, 3))

@@ -3,7 +3,10 @@
 * the root ``__init__`` loads under the names ComfyUI gives it (folder name; full path with "." ->
   "_x_"), including folder names ending in "numba", where numba-cuda's import redirector would
   recurse forever on ``<name>.cuda_kernels`` (the guard re-registers the root under an alias);
-* V1 node schemas (INPUT_TYPES, RETURN_TYPES, FUNCTION, CATEGORY, tooltips);
+* the V3 entry point (``comfy_entrypoint``; no V1 mappings at the root, which ComfyUI would take
+  first) and every node module importing cleanly without ComfyUI (the classes need ``comfy_api``:
+  their schemas are tested per ComfyUI tree in test_node_schemas.py);
+* FluxNumbaPatch's option checks;
 * the loader's header check (FLUX.1 accepted, other files refused with a clear message).
 """
 import importlib.util
@@ -27,9 +30,10 @@ spec.loader.exec_module(mod)
 importlib.import_module(mod.PACKAGE + ".cuda_kernels")
 importlib.import_module(mod.PACKAGE + ".flux_core.blocks")
 nodes = sys.modules[mod.PACKAGE + ".nodes"]
-print("RESULT " + json.dumps({"package": mod.PACKAGE, "nodes": sorted(mod.NODE_CLASS_MAPPINGS),
-                              "display": sorted(mod.NODE_DISPLAY_NAME_MAPPINGS), "web": mod.WEB_DIRECTORY,
-                              "errors": nodes.LOAD_ERRORS}))
+print("RESULT " + json.dumps({"package": mod.PACKAGE, "modules": nodes._nodes_loaded,
+                              "display": sorted(nodes.NODE_DISPLAY_NAME_MAPPINGS), "web": mod.WEB_DIRECTORY,
+                              "entry": callable(getattr(mod, "comfy_entrypoint", None)),
+                              "v1": hasattr(mod, "NODE_CLASS_MAPPINGS"), "errors": nodes.LOAD_ERRORS}))
 """
 
 
@@ -51,9 +55,9 @@ def _load_as(name):
                                   "/opt/ComfyUI/custom_nodes/comfyui-flux-numba"])
 def test_root_loads_under_comfyui_names(name):
     res = _load_as(name)
-    assert {"FluxNumbaLoader", "FluxNumbaPatch"} <= set(res["nodes"])
-    assert set(res["nodes"]) == set(res["display"])
-    assert res["web"] == "./web"
+    assert {"loader", "patch", "timer", "report", "quality", "vae_patch"} <= set(res["modules"])
+    assert {"FluxNumbaLoader", "FluxNumbaPatch", "FluxNumbaVAEPatch"} <= set(res["display"])
+    assert res["entry"] and not res["v1"] and res["web"] == "./web"
     assert not res["errors"], res["errors"]
     if name.endswith("numba"):
         assert res["package"] != name and "numba.cuda" not in res["package"] + ".cuda_kernels"
@@ -77,55 +81,38 @@ def test_redirector_trap_is_real():
 
 # ----------------------------------------------------------------------------- schemas
 def _pack_nodes():
-    from flux_numba_pack.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, LOAD_ERRORS
-    return NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, LOAD_ERRORS
+    from flux_numba_pack.nodes import NODE_MODULES, NODE_DISPLAY_NAME_MAPPINGS, LOAD_ERRORS
+    return NODE_MODULES, NODE_DISPLAY_NAME_MAPPINGS, LOAD_ERRORS
 
 
-def test_nodes_package_merges_mappings():
-    classes, names, errors = _pack_nodes()
+def test_nodes_package_without_comfyui():
+    """Outside ComfyUI every node module imports (nothing logged as an error) and every node has its
+    display name; the V3 classes are defined only when asked for (they need comfy_api)."""
+    modules, names, errors = _pack_nodes()
     assert not errors, errors
-    assert {"FluxNumbaLoader", "FluxNumbaPatch"} <= set(classes)
-    assert set(classes) == set(names)
+    assert set(modules) == set(names)
+    assert {"FluxNumbaLoader", "FluxNumbaPatch", "FluxNumbaStepTimer", "FluxNumbaTimingReport",
+            "FluxNumbaQualityCompare", "FluxNumbaVAEPatch"} == set(names)
 
 
-@pytest.mark.parametrize("node_id", ["FluxNumbaLoader", "FluxNumbaPatch"])
-def test_v1_schema(node_id):
-    cls = _pack_nodes()[0][node_id]
-    it = cls.INPUT_TYPES()
-    assert set(it) <= {"required", "optional", "hidden"} and it["required"]
-    for name, spec in it["required"].items():
-        assert isinstance(spec, tuple) and 1 <= len(spec) <= 2, name
-        assert spec[1].get("tooltip"), f"{node_id}.{name} has no tooltip"
-    assert cls.RETURN_TYPES == ("MODEL",)
-    assert callable(getattr(cls, cls.FUNCTION))
-    assert cls.CATEGORY == "FluxNumba"
-    assert cls.DESCRIPTION
-
-
-def test_patch_schema_and_options():
-    from flux_numba_pack.nodes.patch import FluxNumbaPatch, ATTENTIONS, BACKENDS, PROFILES, CUDA_GRAPHS
-    req = FluxNumbaPatch.INPUT_TYPES()["required"]
-    assert req["model"][0] == "MODEL"
-    assert req["profile"][0] == PROFILES == ["exact", "stock-order", "fast", "fast-cached"]  # appended: saved workflows keep their values
-    assert req["attention"][0] == ATTENTIONS == ["auto", "sdpa", "numba-bf16", "numba-8bit"]
-    assert req["backend"][0] == BACKENDS == ["auto", "torch", "numba"]
-    assert req["route_norms"][0] == "BOOLEAN"
-    assert req["cuda_graph"][0] == CUDA_GRAPHS == ["auto", "off"]
-    assert FluxNumbaPatch.INPUT_TYPES()["hidden"] == {"unique_id": "UNIQUE_ID"}
-    o = FluxNumbaPatch.options("stock-order", "off", "sdpa", "torch")
+def test_patch_options():
+    from flux_numba_pack.nodes.patch import ATTENTIONS, BACKENDS, CUDA_GRAPHS, PROFILES, options
+    assert PROFILES == ["exact", "stock-order", "fast", "fast-cached"]  # appended: saved workflows keep their values
+    assert ATTENTIONS == ["auto", "sdpa", "numba-bf16", "numba-8bit"]
+    assert BACKENDS == ["auto", "torch", "numba"]
+    assert CUDA_GRAPHS == ["auto", "off"]
+    o = options("stock-order", "off", "sdpa", "torch")
     assert o == {"profile": "stock-order", "route_norms": False, "attention": "sdpa", "backend": "torch",
                  "cuda_graph": "auto"}
-    assert FluxNumbaPatch.options(cuda_graph="off")["cuda_graph"] == "off"
+    assert options(cuda_graph="off")["cuda_graph"] == "off"
     for bad in (dict(profile="turbo"), dict(attention="flash"), dict(backend="cuda"), dict(cuda_graph="yes")):
-        with pytest.raises(ValueError):
-            FluxNumbaPatch.options(**bad)
+        with pytest.raises(ValueError, match="^FluxNumbaPatch: "):
+            options(**bad)
 
 
-def test_loader_schema_and_dtypes():
-    from flux_numba_pack.nodes.loader import FluxNumbaLoader, weight_dtype_options
-    req = FluxNumbaLoader.INPUT_TYPES()["required"]
-    assert req["weight_dtype"][0] == ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"]
-    assert isinstance(req["unet_name"][0], list)
+def test_loader_dtypes():
+    from flux_numba_pack.nodes.loader import WEIGHT_DTYPES, weight_dtype_options
+    assert WEIGHT_DTYPES == ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"]
     assert weight_dtype_options("default") == {}
     assert weight_dtype_options("fp8_e4m3fn") == {"dtype": torch.float8_e4m3fn}
     assert weight_dtype_options("fp8_e4m3fn_fast") == {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}
@@ -181,7 +168,8 @@ def test_entry_point_loaded_as_plain_module():
         else:
             sys.modules["__init__"] = saved
     assert mod.PACKAGE != "__init__"
-    assert {"FluxNumbaPatch", "FluxNumbaLoader", "FluxNumbaStepTimer"} <= set(mod.NODE_CLASS_MAPPINGS)
+    nodes = sys.modules[mod.PACKAGE + ".nodes"]
+    assert {"patch", "loader", "timer"} <= set(nodes._nodes_loaded) and callable(mod.comfy_entrypoint)
 
 
 def test_install_script_picks_the_toolkit_extra_of_torchs_cuda():

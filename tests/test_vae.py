@@ -157,26 +157,6 @@ def _node_module():
     return importlib.import_module("flux_numba_pack.nodes.vae_patch")
 
 
-def test_node_schema_without_comfyui():
-    m = _node_module()
-    cls = m.NODE_CLASS_MAPPINGS["FluxNumbaVAEPatch"]
-    assert "FluxNumbaVAEPatch" in m.NODE_DISPLAY_NAME_MAPPINGS
-    assert cls.CATEGORY == "FluxNumba" and cls.RETURN_TYPES == ("VAE",)
-    assert callable(getattr(cls, cls.FUNCTION))
-    req = cls.INPUT_TYPES()["required"]
-    assert req["vae"] == ("VAE",)
-    assert req["enabled"][0] == "BOOLEAN"
-    assert list(req["backend"][0]) == ["auto", "numba", "torch"]
-    opt = cls.INPUT_TYPES()["optional"]  # optional: workflows saved before it still validate
-    assert list(opt["layout"][0]) == ["nhwc", "nchw"] and opt["layout"][1]["default"] == "nhwc"
-    assert list(opt["cuda_graph"][0]) == ["auto", "off"] and opt["cuda_graph"][1]["default"] == "auto"
-    with pytest.raises(ValueError, match="cuda_graph"):
-        cls().patch(types.SimpleNamespace(), cuda_graph="on")
-    other = types.SimpleNamespace(first_stage_model=None, patcher=None, latent_channels=4)
-    assert cls().patch(other)[0] is other  # not patchable: passes through
-    assert cls().patch(other, enabled=False)[0] is other
-
-
 # ------------------------------------------------------------------ decoder level (ComfyUI)
 def _comfy():
     p, why = comfyui_path()
@@ -227,13 +207,13 @@ def _small_vae(M, dtype):
 @pytest.mark.comfyui
 def test_decoder_patched_matches_stock(strict):
     M = _comfy()
-    node = _node_module().FluxNumbaVAEPatch()
+    node = _node_module()
     dec, fsm, vae = _small_vae(M, torch.float32)
     z = torch.randn(1, 16, 3, 5, device=DEV)  # odd latent: mid 3x5, then 6x10
     with torch.no_grad():
         stock = fsm.decoder(z)
 
-    out = node.patch(vae)[0]
+    out = node.apply(vae)[0]
     assert out is not vae and out.patcher is not vae.patcher
     assert fsm.decoder is dec and not vae.patcher.object_patches  # input untouched
     out.patcher.patch_model(load_weights=False)
@@ -254,12 +234,12 @@ def test_decoder_patched_matches_stock(strict):
 
     # a non-FLUX (4-channel) VAE passes through
     sd_vae = types.SimpleNamespace(first_stage_model=fsm, latent_channels=4, patcher=vae.patcher)
-    assert node.patch(sd_vae)[0] is sd_vae
+    assert node.apply(sd_vae)[0] is sd_vae
 
 
 def _decode(vae, fsm, z, **patch_kw):
     """(patched decoder output, registry usage) with ``vae`` patched by the node, then unpatched."""
-    out = _node_module().FluxNumbaVAEPatch().patch(vae, **patch_kw)[0]
+    out = _node_module().apply(vae, **patch_kw)[0]
     out.patcher.patch_model(load_weights=False)
     try:
         registry.take_usage()
@@ -346,7 +326,7 @@ def test_decoder_nhwc_failure_runs_nchw(monkeypatch, caplog):
         return real(self, x, *a, **k)
 
     monkeypatch.setattr(registry, "strict", False)
-    out = VP.FluxNumbaVAEPatch().patch(vae)[0]
+    out = VP.apply(vae)[0]
     out.patcher.patch_model(load_weights=False)
     try:
         up = fsm.decoder.up[1].upsample
@@ -376,8 +356,8 @@ def test_decoder_low_res_graph(strict):
     VP = _node_module()
     dec, fsm, vae = _small_vae(M, torch.bfloat16)
     dec.mid.attn_1.optimized_attention = M.pytorch_attention
-    out = VP.FluxNumbaVAEPatch().patch(vae)[0]
-    ref = VP.FluxNumbaVAEPatch().patch(vae, cuda_graph="off")[0]
+    out = VP.apply(vae)[0]
+    ref = VP.apply(vae, cuda_graph="off")[0]
     ref_dec = ref.patcher.object_patches["decoder"]
     pat = out.patcher.object_patches["decoder"]
     g = pat._flux_numba_graph
@@ -413,11 +393,11 @@ def test_low_res_graph_failures(monkeypatch, caplog):
     import flux_numba_pack.flux_core.graphs as FG
     import flux_numba_pack.nodes.host as H
     dec, fsm, vae = _small_vae(M, torch.bfloat16)
-    pat = VP.FluxNumbaVAEPatch().patch(vae)[0].patcher.object_patches["decoder"]
+    pat = VP.apply(vae)[0].patcher.object_patches["decoder"]
     g = pat._flux_numba_graph
     z = torch.randn(1, 16, 2, 3, device=DEV).to(torch.bfloat16)
     with torch.no_grad():
-        want = VP.FluxNumbaVAEPatch().patch(vae, cuda_graph="off")[0].patcher.object_patches["decoder"](z)
+        want = VP.apply(vae, cuda_graph="off")[0].patcher.object_patches["decoder"](z)
 
     class InterruptProcessingException(Exception):
         pass
@@ -463,12 +443,12 @@ def test_repatch_while_patched(strict):
     VP = _node_module()
     from flux_numba_pack.nodes.host import vae as HV
     dec, fsm, vae = _small_vae(M, torch.float32)
-    node = VP.FluxNumbaVAEPatch()
-    first = node.patch(vae)[0]
+    node = VP
+    first = node.apply(vae)[0]
     first.patcher.patch_model(load_weights=False)
     try:
         assert HV.is_patched(fsm.decoder)
-        second = node.patch(vae, layout="nchw", cuda_graph="off")[0]
+        second = node.apply(vae, layout="nchw", cuda_graph="off")[0]
         assert second is not vae, "refused to patch while the first patch is applied"
         d2 = second.patcher.object_patches["decoder"]
         assert d2 is not fsm.decoder and HV.original_decoder(d2) is dec and HV.original_decoder(fsm.decoder) is dec
@@ -487,7 +467,7 @@ def test_low_res_graph_dropped_on_detach():
     M = _comfy()
     VP = _node_module()
     dec, fsm, vae = _small_vae(M, torch.bfloat16)
-    out = VP.FluxNumbaVAEPatch().patch(vae)[0]
+    out = VP.apply(vae)[0]
     g = out.patcher.object_patches["decoder"]._flux_numba_graph
     dropped = []
     g.drop = lambda: dropped.append(True)

@@ -153,35 +153,6 @@ def test_flux1_dev_graph():
     assert _source(nodes, wf, vpatch["id"], "vae")["type"] == "VAELoader"
 
 
-@pytest.mark.parametrize("path", WORKFLOWS, ids=[os.path.basename(p) for p in WORKFLOWS])
-def test_pack_node_widgets(path):
-    """The pack's own nodes: widget values match INPUT_TYPES (count and combo choices)."""
-    from flux_numba_pack.nodes import NODE_CLASS_MAPPINGS as pack
-    with open(path) as f:
-        wf = json.load(f)
-    seen = 0
-    for n in wf["nodes"]:
-        cls = pack.get(n["type"])
-        if cls is None:
-            continue
-        seen += 1
-        it = cls.INPUT_TYPES()
-        names = widget_names(it)
-        vals = n["widgets_values"]
-        required = [nm for nm in widget_names({"required": it.get("required", {})})]
-        assert len(required) <= len(vals) <= len(names), (n["type"], names, vals)
-        for name, val in zip(names, vals):
-            if name is CONTROL:
-                continue
-            opts = combo_options(it, name)
-            if opts:  # file lists are empty without ComfyUI: only fixed choices are checked
-                assert val in opts, (n["type"], name, val, opts)
-        api = ui_to_api({"nodes": [n], "links": wf["links"]}, lambda t: it)
-        assert set(api[str(n["id"])]["inputs"]) >= {nm for nm in required if nm is not CONTROL}
-    if os.path.abspath(path) == MAIN:
-        assert seen >= 3
-
-
 def test_every_template_has_a_thumbnail():
     """ComfyUI's template browser asks for <name>.jpg beside each example workflow
     (tests/workflow_thumbnails.py draws them from the workflow's own graph)."""
