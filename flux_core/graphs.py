@@ -241,3 +241,25 @@ class GraphGuard:
             return self.eager(self.failed, eager_fn)
         self.last_mode = "graph" if getattr(self.gf, "replays", 0) > replays else "warm-up"
         return out
+
+
+class Guarded:
+    """For a wrapper that owns a ``GraphGuard`` as ``self.guard``: its state and ``drop()``."""
+
+    guard: GraphGuard
+
+    @property
+    def gf(self):
+        return self.guard.gf
+
+    @property
+    def failed(self):
+        return self.guard.failed
+
+    @property
+    def last_mode(self):
+        return self.guard.last_mode
+
+    def drop(self):
+        """Free the captured graphs; later calls re-capture."""
+        self.guard.drop()

@@ -34,6 +34,7 @@ import torch
 
 from ..cuda_kernels import ops, registry
 from .context import Weights
+from .graphs import GraphGuard, Guarded
 
 log = logging.getLogger("flux_numba")
 
@@ -233,7 +234,7 @@ def decode_nhwc(dec, z, host: DecoderHost, kwargs, low=None):
     return stage_rest(dec, h, host, kwargs).contiguous()
 
 
-class LowResGraph:
+class LowResGraph(Guarded):
     """The NHWC decoder's low-resolution stage (``stage_low``: conv_in, the mid block with its
     attention, the top level's ResnetBlocks -- at the latent's resolution, 128^2 for a 1024^2 image)
     replayed as a CUDA graph, per latent shape.
@@ -253,25 +254,9 @@ class LowResGraph:
     """
 
     def __init__(self, host: DecoderHost, state, name: str = "VAE decoder", max_graphs: int = 2):
-        from .graphs import GraphGuard
         self.host, self.state = host, state
         self.guard = GraphGuard(f"{name}: low-resolution CUDA graph off for this decode", warmup=2,
                                 max_graphs=max_graphs, on_oom="raise")
-
-    @property
-    def last_mode(self):
-        return self.guard.last_mode
-
-    @property
-    def gf(self):
-        return self.guard.gf
-
-    @property
-    def failed(self):
-        return self.guard.failed
-
-    def drop(self):
-        self.guard.drop()
 
     def __call__(self, dec, z):
         why, wkey = self.guard.failed, None

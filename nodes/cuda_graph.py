@@ -25,36 +25,21 @@ from __future__ import annotations
 
 import logging
 
+from ..flux_core.graphs import GraphGuard, Guarded
+
 log = logging.getLogger("flux_numba")
 
 KEY = "flux_numba_cuda_graph"
 
 
-class GraphWrapper:
+class GraphWrapper(Guarded):
     """The DIFFUSION_MODEL wrapper: the whole forward through a CUDA graph where that is safe (module
     docstring), under ``flux_core.graphs.GraphGuard``'s policy."""
 
     def __init__(self, max_graphs: int = 2, stats: dict = None):
-        from ..flux_core.graphs import GraphGuard
         self.stats = stats if stats is not None else {}  # whole_replays / whole_eager / whole_why (the step timer)
         self.guard = GraphGuard("whole-forward CUDA graph off for this call (per-block graphs where the weights "
                                 "are resident)", warmup=2, max_graphs=max_graphs)
-
-    @property
-    def gf(self):
-        return self.guard.gf
-
-    @property
-    def failed(self):
-        return self.guard.failed
-
-    @property
-    def last_mode(self):
-        return self.guard.last_mode
-
-    def drop(self):
-        """Free the captured whole-forward graphs (the model was unloaded); later calls re-capture."""
-        self.guard.drop()
 
     def _eager(self, why, executor, *args, **kwargs):
         """The forward without the whole-forward graph: its blocks may replay per-block graphs
