@@ -60,8 +60,11 @@ class DecoderHost(Weights):
         return True
 
     def attention(self, blk, q, k, v):
-        """The block's own attention on q, k, v."""
-        return blk.optimized_attention(q, k, v)
+        """The block's attention on q, k, v [B, C, H, W]: one head over every pixel (SDPA)."""
+        B, C, H, W = q.shape
+        rows = lambda t: t.reshape(B, 1, C, H * W).transpose(2, 3)  # noqa: E731
+        out = torch.nn.functional.scaled_dot_product_attention(rows(q), rows(k), rows(v))
+        return out.transpose(2, 3).reshape(B, C, H, W)
 
 
 def is_nhwc(x):
@@ -131,16 +134,22 @@ def resnet(blk, x, host: Weights):
         else:
             h = group_norm_act(blk.norm2, blk.conv1(h), True, host)
         if blk.in_channels != blk.out_channels:
-            x = conv_nhwc(blk.conv_shortcut if blk.use_conv_shortcut else blk.nin_shortcut, x, host)
+            x = conv_nhwc(_shortcut(blk), x, host)
         return conv_nhwc(blk.conv2, h, host, residual=x)
     h = group_norm_act(blk.norm1, x, True, host)
     h = blk.conv1(h)
     h = group_norm_act(blk.norm2, h, True, host)
-    h = blk.dropout(h)
-    h = blk.conv2(h)
+    d = getattr(blk, "dropout", None)
+    h = blk.conv2(d(h) if d is not None else h)
     if blk.in_channels != blk.out_channels:
-        x = blk.conv_shortcut(x) if blk.use_conv_shortcut else blk.nin_shortcut(x)
+        x = _shortcut(blk)(x)
     return x + h
+
+
+def _shortcut(blk):
+    """The ResnetBlock's channel-changing shortcut (a 3x3 ``conv_shortcut`` where the block asks for
+    one, else the 1x1 ``nin_shortcut``)."""
+    return blk.conv_shortcut if getattr(blk, "use_conv_shortcut", False) else blk.nin_shortcut
 
 
 def attn(blk, x, host: DecoderHost):
@@ -202,7 +211,7 @@ def stage_rest(dec, h, host: DecoderHost, kwargs):
             h = host.call_upsample(dec.up[i_level].upsample, h)
     h = group_norm_act(dec.norm_out, h, True, host)
     h = conv_nhwc(dec.conv_out, h, host) if nhwc else dec.conv_out(h)
-    if dec.tanh_out:
+    if getattr(dec, "tanh_out", False):
         h = torch.tanh(h)
     return h
 

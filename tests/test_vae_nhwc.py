@@ -202,3 +202,16 @@ def test_decoder_shapes_gpu(C, H, strict):
     if H <= 512:
         u = _call(up.OP, x)
         assert torch.equal(u, F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+def test_plain_decoder_host_attention_is_single_head_sdpa():
+    """flux_core.vae.DecoderHost (plain torch modules, no ComfyUI): the mid block's attention over
+    every pixel, one head of C channels -- softmax(Q K^T / sqrt(C)) V on fresh random inputs."""
+    from flux_numba_pack.flux_core.vae import DecoderHost
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 8, 3, 5, generator=g) for _ in range(3))
+    got = DecoderHost().attention(None, q, k, v)
+    rows = lambda t: t.flatten(2).transpose(1, 2)  # noqa: E731  [B, HW, C]
+    w = torch.softmax(rows(q) @ rows(k).transpose(1, 2) / 8 ** 0.5, dim=-1)
+    want = (w @ rows(v)).transpose(1, 2).reshape(2, 8, 3, 5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

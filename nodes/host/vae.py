@@ -75,6 +75,9 @@ class ComfyDecoderHost(vae.DecoderHost):
     def sdpa_attention(self, blk) -> bool:
         return getattr(blk.optimized_attention, "__name__", "") == "pytorch_attention"
 
+    def attention(self, blk, q, k, v):
+        return blk.optimized_attention(q, k, v)  # ComfyUI's choice for the VAE (xformers, split, SDPA ...)
+
 
 HOST = ComfyDecoderHost()
 
