@@ -1,6 +1,6 @@
 """The pack's layers keep their imports pointing down: ``cuda_kernels`` imports neither ``flux_core``
 nor ``nodes``; ``flux_core`` does not import ``nodes``; nothing outside ``nodes/host/`` names
-ComfyUI's modules (``comfy``, ``comfy_aimdo``, ``comfy_api``'s internals aside, ``server``,
+ComfyUI's modules (``comfy``, ``comfy_api``, ``comfy_aimdo``, ``server``,
 ``folder_paths``); no node file is longer than ``NODE_FILE_MAX`` lines."""
 import ast
 import os
@@ -8,7 +8,7 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMFY_MODULES = ("comfy", "comfy_aimdo", "server", "folder_paths", "comfyui_version", "comfy_extras")
+COMFY_MODULES = ("comfy", "comfy_api", "comfy_aimdo", "server", "folder_paths", "comfyui_version", "comfy_extras")
 
 
 def _imports(path):

@@ -21,7 +21,7 @@ DIST = {
     "llvmlite": "numba-cuda",  # numba's own dependency, version-locked by numba: not declared apart
 }
 # provided by the host (ComfyUI brings torch, and is the only place its own modules exist)
-HOST = {"torch", "comfy", "folder_paths", "server", "comfyui_version",
+HOST = {"torch", "comfy", "comfy_api", "folder_paths", "server", "comfyui_version",
         "comfy_aimdo"}  # comfy-aimdo: ComfyUI v0.33's DynamicVRAM (imported only where ComfyUI runs it)
 # the pack's own modules (imported by name from the repo root or bench/)
 LOCAL = {"_pack", "flux_numba_pack", "gpu_vae"}
