@@ -42,8 +42,8 @@ if MODE != "sequential":
     b.wait()
     out.update(build_state=b.state, built=b.built, failed=b.failed, to_build=b.total, workers=b.workers,
                build_s=round(time.time() - t0, 2), plan_s=round(b.plan_s or 0, 2), errors=b.errors[:5],
-               planned=[f"{j.recipe[1]}{tuple(j.recipe[2])}" for j in b.jobs][:40],
-               not_on_disk=[f"{j.recipe[1]}{tuple(j.recipe[2])}" for j in b.jobs if not prebuild.is_cached(j.launcher, j.sig)])
+               planned=[j.label() for j in b.jobs][:40],
+               not_on_disk=[j.label() for j in b.jobs if not prebuild.is_cached(j.launcher, j.sig)])
 n0 = nbc()
 res = warmup.warm_all("cuda", backends=want)
 out["ready_s"] = round(time.time() - t0, 2)

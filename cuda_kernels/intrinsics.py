@@ -726,36 +726,38 @@ class Launcher:
             col.append((self, signature(args)))
             return None
         try:
-            sig = signature(args)
-            compile_gate(self)
-            fn = self.compile(sig)._codelibrary.get_cufunc()
+            fn = self.compile(signature(args))._codelibrary.get_cufunc()
             n = cuda.current_context().get_active_blocks_per_multiprocessor(fn, nt, 0)
             return int(n[-1] if isinstance(n, tuple) else n)
         except Exception:  # pragma: no cover - GPU only
             return None
 
+    def label(self) -> str:
+        """The kernel's name in logs: its factory and arguments."""
+        rec = self.recipe()
+        return f"{rec[1]}{tuple(rec[2])}" if rec else getattr(self.factory, "__name__", "?")
+
     def compile(self, sig):
-        """``dispatcher.compile(sig)``; a kernel that had to be compiled here (not in memory, not in
-        numba's on-disk cache, not built in the background) is logged with its time."""
+        """``dispatcher.compile(sig)``, after ``compile_gate`` (a kernel the background build holds is
+        not compiled twice); a kernel that had to be compiled here (not in memory, not in numba's
+        on-disk cache, not built in the background) is logged with its time."""
         disp = self.dispatcher()
         if sig in getattr(disp, "overloads", {}):
             return disp.compile(sig)
+        compile_gate(self)
         misses = getattr(disp, "_cache_misses", None)
         before = misses.get(sig, 0) if misses is not None else 0
         t0 = _time.perf_counter()
         kern = disp.compile(sig)
         if misses is not None and misses.get(sig, 0) > before:
-            rec = self.recipe()
             import logging
-            logging.getLogger("flux_numba").info(
-                "[flux_numba] kernel %s compiled on first use in %.2f s", f"{rec[1]}{tuple(rec[2])}" if rec
-                else getattr(self.factory, "__name__", "?"), _time.perf_counter() - t0)
+            logging.getLogger("flux_numba").info("[flux_numba] kernel %s compiled on first use in %.2f s",
+                                                 self.label(), _time.perf_counter() - t0)
         return kern
 
     def _compile_fast(self, args):
         global _FAST_OK
         try:
-            compile_gate(self)
             kern = self.compile(signature(args))
             if getattr(kern, "cooperative", False):
                 raise TypeError("cooperative kernel")

@@ -25,7 +25,7 @@ pack's first prompt waited for every kernel in turn (27 kernels, ~25 s on an H20
     graphs are not captured until the build is done (``registry.settled``).  A compile of one of
     the build's kernels in another thread waits for it (``intrinsics.compile_gate``); any other
     compile goes ahead.
-  * ``wait()`` blocks until the build is done (benchmarks, tests).
+  * ``Build.wait()`` blocks until the build is done (benchmarks, tests).
 
 Everything here is best effort: a failed plan, worker or job is logged and the kernel is then
 compiled where it is first used, as before.  No ComfyUI imports.
@@ -70,7 +70,7 @@ class Job:
         return [mod, qn, list(args), sig_spec(self.sig)]
 
     def label(self):
-        return f"{self.recipe[1]}{tuple(self.recipe[2])}"
+        return self.launcher.label()
 
 
 def _direct_call(op_name, *args, **kw):
@@ -82,13 +82,16 @@ def _direct_call(op_name, *args, **kw):
     return b.fn(*args, **kw)
 
 
+def _index_key(disp, sig):
+    """The key numba's on-disk cache files this kernel under (the dispatcher's own, for this GPU)."""
+    return disp._cache._index_key(sig, disp.targetctx.codegen())
+
+
 def is_cached(launcher, sig) -> bool:
     """True when numba's on-disk cache holds this kernel for the current GPU."""
     try:
         disp = launcher.dispatcher()
-        cache = disp._cache
-        key = cache._index_key(sig, disp.targetctx.codegen())
-        return key in cache._cache_file._load_index()
+        return _index_key(disp, sig) in disp._cache._cache_file._load_index()
     except Exception:
         return False
 
@@ -145,7 +148,7 @@ class Build:
         self.total = self.built = self.failed = 0
         self.workers = 0
         self.t0 = time.perf_counter()
-        self.seconds = self.plan_s = None
+        self.plan_s = None
         self.jobs: List[Job] = []
         self.errors: List[str] = []
         self.done = threading.Event()
@@ -211,7 +214,6 @@ class Build:
             log.warning("[flux_numba] background kernel build failed (%s: %s); kernels compile where "
                         "they are first used", type(e).__name__, e)
         finally:
-            self.seconds = time.perf_counter() - self.t0
             self._cleanup()
             self.done.set()
             if registry.pending == self.pending:
@@ -258,13 +260,10 @@ class Build:
                 for p in self._procs:
                     p.kill()
                 alive = False
-            for i, job in enumerate(jobs):
+            for i, job in enumerate(jobs):  # (workers gone before this scan: all they wrote is here)
                 if i not in stored and self._collect(i, job):
                     stored.add(i)
             if not alive and len(stored) < len(jobs):
-                for i, job in enumerate(jobs):  # whatever arrived after the last scan
-                    if i not in stored and self._collect(i, job):
-                        stored.add(i)
                 for i, job in enumerate(jobs):
                     if i not in stored:
                         self._finish(job, ok=False, err="its worker exited without building it")
@@ -329,7 +328,7 @@ def _install(disp, sig, data: bytes):
     does, under numba's compiler lock so that a compile in another thread never writes the same
     index at the same time; the kernel is then loaded where it is first used, like any cached one.
     Where the cache cannot be written, the kernel goes into the dispatcher in memory instead."""
-    from numba.core.compiler_lock import global_compiler_lock
+    from numba.cuda.core.compiler_lock import global_compiler_lock  # the lock numba-cuda's dispatcher takes
     with global_compiler_lock:
         cache = disp._cache
         try:
@@ -337,7 +336,7 @@ def _install(disp, sig, data: bytes):
                 raise RuntimeError("numba's cache is off for this kernel")
             cf = cache._cache_file
             cache._impl.locator.ensure_cache_path()
-            key = cache._index_key(sig, disp.targetctx.codegen())
+            key = _index_key(disp, sig)
             overloads = cf._load_index()
             name = overloads.get(key)
             if name is None:
@@ -397,11 +396,3 @@ def start(device=None, workers=None, ops=None) -> Optional[Build]:
 
 def current() -> Optional[Build]:
     return _build
-
-
-def wait(timeout: float = WAIT_LIMIT_S, on_progress=None) -> Optional[Build]:
-    """Wait for the background build, if one runs (``on_progress(done, total)`` while waiting)."""
-    b = _build
-    if b is not None and not b.done.is_set() and threading.current_thread() is not b.thread:
-        b.wait(timeout, on_progress)
-    return b

@@ -42,16 +42,17 @@ class GraphWrapper(Guarded):
                                 "are resident)", warmup=2, max_graphs=max_graphs)
 
     def _eager(self, why, executor, *args, **kwargs):
+        """The forward without the whole-forward graph, the reason logged once (``GraphGuard.eager``)."""
+        return self.guard.eager(why, lambda: self._run_eager(why, executor, args, kwargs))
+
+    def _run_eager(self, why, executor, args, kwargs):
         """The forward without the whole-forward graph: its blocks may replay per-block graphs
         (``flux_core.block_graphs``) where their weights are resident."""
         from ..flux_core import block_graphs
         self.stats["whole_eager"] = self.stats.get("whole_eager", 0) + 1
         self.stats["whole_why"] = "whole-step graph off: " + why
-
-        def run():
-            with block_graphs.allowed():
-                return executor(*args, **kwargs)
-        return self.guard.eager(why, run)
+        with block_graphs.allowed():
+            return executor(*args, **kwargs)
 
     def __call__(self, executor, x, timestep, context, y=None, guidance=None, ref_latents=None, control=None,
                  transformer_options={}, **kwargs):
@@ -82,19 +83,12 @@ class GraphWrapper(Guarded):
             return executor(xx, tt, cc, yy, gg, None, None, transformer_options, **kwargs)
         # the executor and transformer_options of *this* call are what a capture records
         out = self.guard.run(fn, (x, timestep, context, *[v for v in (y, guidance) if v is not None]), wkey,
-                             lambda: self._eager_after_failure(executor, args, kwargs))
+                             lambda: self._run_eager(self.guard.failed or "", executor, args, kwargs))
         if self.guard.last_mode == "graph":
             self.stats["whole_replays"] = self.stats.get("whole_replays", 0) + 1
         elif self.guard.last_mode == "warm-up":
             self.stats["whole_why"] = "whole-step graph warming up (eager steps before its capture)"
         return out
-
-    def _eager_after_failure(self, executor, args, kwargs):
-        from ..flux_core import block_graphs
-        self.stats["whole_eager"] = self.stats.get("whole_eager", 0) + 1
-        self.stats["whole_why"] = "whole-step graph off: " + (self.guard.failed or "")
-        with block_graphs.allowed():
-            return executor(*args, **kwargs)
 
 
 def capture_problem(executor, transformer_options):

@@ -146,11 +146,11 @@ def _graph_probe() -> bool:
 
 
 def _is_oom(e: BaseException) -> bool:
+    """torch's out-of-memory (``flux_core.graphs.is_oom``) or ComfyUI's own OOM exception types."""
+    from ..flux_core.graphs import is_oom
     from .host import ui
     oom = ui.oom_exceptions()
-    if oom and isinstance(e, oom):
-        return True
-    return isinstance(e, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(e).lower()
+    return bool(oom and isinstance(e, oom)) or is_oom(e)
 
 
 # ----------------------------------------------------------------------------- checks

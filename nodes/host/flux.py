@@ -39,14 +39,11 @@ runs stock with a log line naming the reason.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Optional
 
 import torch
 
 from ...flux_core.context import Weights, own_tensors
-
-from .versions import comfy_version  # noqa: F401  (re-exported)
 
 
 # ----------------------------------------------------------------------------- weights

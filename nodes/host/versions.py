@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 
 log = logging.getLogger("flux_numba")
 
@@ -86,8 +85,3 @@ def log_once():
     log.info("[flux_numba] ComfyUI %s%s: %s", f.get("version"), extra,
              ", ".join(f"{k} {v}" for k, v in f.items() if k not in ("version", "tested")))
     return f
-
-
-def loaded(module: str) -> bool:
-    """True when ComfyUI has imported ``module`` (probes that must not import it themselves)."""
-    return module in sys.modules
