@@ -159,6 +159,33 @@ def sample(*a, **k):
     return _profiled(_orig, a, k)
 
 
+def _gaps(ev):
+    """Where the GPU idles between its first and last event: the union of the events' intervals,
+    the idle gaps between them by size, and the largest gaps with the events on either side (which
+    step phase leaves the GPU waiting for the host)."""
+    iv = sorted((e.time_range.start, e.time_range.end, e.name) for e in ev)
+    if not iv:
+        return {}
+    t_first = iv[0][0]
+    end, prev = iv[0][1], iv[0][2]
+    gaps = []
+    for s, e, n in iv[1:]:
+        if s > end:
+            gaps.append((s - end, prev, n, s - t_first))
+        if e >= end:
+            end, prev = e, n
+    bins = {"<20us": 0.0, "20-100us": 0.0, "100us-1ms": 0.0, ">1ms": 0.0}
+    count = dict.fromkeys(bins, 0)
+    for g, *_ in gaps:
+        b = "<20us" if g < 20 else "20-100us" if g < 100 else "100us-1ms" if g < 1000 else ">1ms"
+        bins[b] += g / 1e3
+        count[b] += 1
+    big = sorted(gaps, key=lambda x: -x[0])[:30]
+    return {"idle_ms": sum(g for g, *_ in gaps) / 1e3, "idle_ms_by_gap": bins, "gaps_by_size": count,
+            "largest_gaps": [{"ms": round(g / 1e3, 3), "at_ms": round(at / 1e3, 2), "after": a[:90], "before": b[:90]}
+                             for g, a, b, at in sorted(big, key=lambda x: x[3])]}
+
+
 def _profiled(orig, a, k, suffix=""):
     mode = _mode()
     if not mode:
@@ -186,10 +213,19 @@ def _profiled(orig, a, k, suffix=""):
         open(os.path.join(CTRL, f"cprofile_{tag}.txt"), "w").write(s.getvalue())
         return out
     from torch.profiler import profile, ProfilerActivity
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if kind == "trace" else [])
+    with profile(activities=acts) as prof:
         out = orig(*a, **k)
         _sync()
     wall = time.perf_counter() - t0
+    if kind == "trace":  # the host and GPU timeline (host ops slowed by the profiler: structure, not speed)
+        path = os.path.join(CTRL, f"trace_{tag}.json")
+        prof.export_chrome_trace(path)
+        import gzip, shutil
+        with open(path, "rb") as fi, gzip.open(path + ".gz", "wb") as fo:
+            shutil.copyfileobj(fi, fo)
+        os.remove(path)
+        return out
     ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in ev) / 1e6  # us -> s (kernels and copies; overlaps counted twice)
     top = {}
@@ -200,6 +236,7 @@ def _profiled(orig, a, k, suffix=""):
     span = (max(e.time_range.end for e in ev) - min(e.time_range.start for e in ev)) / 1e6 if ev else 0.0
     rec = {"wall_s": wall, "gpu_kernel_s": busy, "gpu_span_s": span, "kernels": len(ev),
            "top_ms": sorted(top.items(), key=lambda kv: -kv[1])[:25]}
+    rec.update(_gaps(ev))
     json.dump(rec, open(os.path.join(CTRL, f"gpu_{tag}.json"), "w"), indent=1)
     return out
 
@@ -335,11 +372,14 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
     """API prompt for one case: stock | patched | patched_fast (profile fast) | patched_fast_cached
     (profile fast-cached) | easycache | lazycache | stock_easycache | stock_lazycache; a case ending in
     ``_fp8`` loads the weights with UNETLoader's weight_dtype fp8_e4m3fn (stock_fp8, patched_fast_fp8);
+    a patched case ending in ``_eager`` runs with cuda_graph off (patched_eager: the eager host path);
     ``vae_*``: decode-only (``decode_graph``)."""
     if case in VAE_CASES:
         return decode_graph(case, res, seed, vae)
     fp8 = case.endswith("_fp8")
     case = case[: -len("_fp8")] if fp8 else case
+    eager = case.endswith("_eager")  # cuda_graph off: every block eager (the host path's own cost)
+    case = case[: -len("_eager")] if eager else case
     patched = case in ("patched", "patched_fast", "patched_fast_cached", "easycache", "lazycache")
     profile = {"patched_fast": "fast", "patched_fast_cached": "fast-cached"}.get(case, "exact")
     g = {
@@ -355,7 +395,7 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
     if patched:
         g["patch"] = {"class_type": "FluxNumbaPatch", "inputs": {
             "model": model, "profile": profile, "route_norms": True, "attention": "auto", "backend": "auto",
-            "cuda_graph": "auto"}}
+            "cuda_graph": "off" if eager else "auto"}}
         model = ["patch", 0]
         g["vpatch"] = {"class_type": "FluxNumbaVAEPatch", "inputs": {"vae": vae_ref, "enabled": True, "backend": "auto"}}
         vae_ref = ["vpatch", 0]
@@ -465,6 +505,8 @@ def main():
     p.add_argument("--profile", help="folder: after the timed runs, one prompt per case (--profile-steps steps) "
                    "under cProfile (host time by function) and one under torch.profiler (GPU kernel time vs wall)")
     p.add_argument("--profile-steps", type=int, default=8)
+    p.add_argument("--profile-kinds", default="cprofile,torch", help="comma list of cprofile (host time by "
+                   "function), torch (GPU busy share, idle gaps), trace (host + GPU timeline, chrome trace .json.gz)")
     p.add_argument("--cond-dims", default="4096,768", help="text context / pooled widths (a CPU smoke test with "
                    "run.py --write-model --comfy-min weights uses that model's)")
     a = p.parse_args()
@@ -541,12 +583,12 @@ def main():
                     break
             if prof_dir and alive and proc.poll() is None:
                 for ci, case in enumerate(cases):
-                    for ki, kind in enumerate(("cprofile", "torch")):
+                    for ki, kind in enumerate(a.profile_kinds.split(",")):
                         with open(os.path.join(prof_dir, "mode"), "w") as f:
                             f.write(f"{kind}:{case}")
                         try:
                             # a new seed per prompt: ComfyUI would answer an identical prompt from its cache
-                            r = run_prompt(url, graph(case, a.profile_steps, a.res, 99 + 2 * ci + ki, os.path.basename(a.weights),
+                            r = run_prompt(url, graph(case, a.profile_steps, a.res, 99 + 5 * ci + ki, os.path.basename(a.weights),
                                                       os.path.basename(vae_path),
                                                       tuple(int(v) for v in a.cond_dims.split(","))), a.prompt_timeout)
                         except Exception as e:
@@ -555,7 +597,8 @@ def main():
                         gj = os.path.join(prof_dir, f"gpu_{case}.json")
                         if kind == "torch" and os.path.exists(gj):
                             g = json.load(open(gj))
-                            rec.setdefault("profile", {})[case] = {k: g.get(k) for k in ("wall_s", "gpu_kernel_s", "gpu_span_s", "kernels")}
+                            rec.setdefault("profile", {})[case] = {k: g.get(k) for k in ("wall_s", "gpu_kernel_s", "gpu_span_s", "kernels",
+                                                                                        "idle_ms", "idle_ms_by_gap", "gaps_by_size")}
                 with open(os.path.join(prof_dir, "mode"), "w") as f:
                     f.write("")
             for case in cases:
@@ -601,6 +644,9 @@ def main():
                   f"GPU kernels {pr['gpu_kernel_s']:.2f} s ({100 * pr['gpu_kernel_s'] / pr['wall_s']:.0f}% busy), "
                   f"{pr['kernels']} kernels; first-to-last GPU event {pr['gpu_span_s'] or 0:.2f} s "
                   f"({100 * pr['gpu_kernel_s'] / (pr['gpu_span_s'] or 1e9):.0f}% busy over the steps)")
+            if pr.get("idle_ms") is not None:
+                print(f"   idle {pr['idle_ms']:.1f} ms in gaps: " + ", ".join(
+                    f"{k} {v:.1f} ms ({pr['gaps_by_size'][k]})" for k, v in pr["idle_ms_by_gap"].items()))
     for rec in results:
         if rec.get("median_warm_s"):
             print(f"median of runs 2..N, {rec['comfyui']} {rec['flags'] or '(default)'}: "

@@ -101,17 +101,26 @@ MAX_THREADS = 128
 LB = {"launch_bounds": (MAX_THREADS, 8)}
 
 
-def make_qk_kernel(VW=2):
+def make_qk_kernel(VW=2, QUANT=0):
     """qkv0/qkv1 [B, L_p, 3*H*Dw] int64 words; scales [2, 2, D/2] int64 (fp32 pairs; part, q|k);
     pe [Bp, Ltot, D] int64 (pair r: word 2r = (m[r,0,0], m[r,0,1]), 2r+1 = (m[r,1,0], m[r,1,1]));
     out [3, B, H, Ltot, Dw] int64.  A group of G = Dw/VW lanes per head; lane w owns words
     w*VW .. +VW (VW 2: 16-byte accesses) = elements 4*VW*w .. +4*VW; group g does head g (q, k
-    and v of it: three loads in flight per lane before any math; v stored straight away)."""
+    and v of it: three loads in flight per lane before any math; v stored straight away).
 
+    QUANT (VW 2 only; the section "8-bit attention prologue"): 0 = bf16 q, k, v alone (q8 / qsc /
+    kmean are placeholders, not read); 1 = also int8 Q: q8 int64 [2, B, H, Lp, D/8] (8 int8 per
+    word; lane w owns word w), qsc f32 [2, B, H, Lp]; 2 = int8 Q and K (K less kmean f32 [B, H, D]).
+    With QUANT the grid strides over Lp = q8.shape[3] tokens (tokens >= Ltot: zero int8 rows, no
+    bf16 stores, no loads)."""
+    assert QUANT in (0, 1, 2) and (QUANT == 0 or VW == 2)
     RED = ik.RED_SMEM
     NE = 4 * VW  # elements of one vector per lane
+    KQ = QUANT == 2
+    pack8 = _quant_helpers()
+    TINY = float32(1e-20)
 
-    def qk_kernel(qkv0, qkv1, scales, pe, out, L0, has_pe, eps):
+    def qk_kernel(qkv0, qkv1, scales, pe, out, q8, qsc, kmean, L0, has_pe, eps):
         smem = cuda.shared.array(RED, float32)
         wq = cuda.local.array(VW, int64)
         wk = cuda.local.array(VW, int64)
@@ -125,6 +134,9 @@ def make_qk_kernel(VW=2):
         H = out.shape[2]
         Ltot = out.shape[3]
         Dw = out.shape[4]
+        Lp = Ltot
+        if QUANT:
+            Lp = q8.shape[3]
         lg = 0
         while (1 << lg) < Dw:
             lg += 1
@@ -143,12 +155,16 @@ def make_qk_kernel(VW=2):
             if pb >= Bp:
                 pb = Bp - 1
             t = cuda.blockIdx.x
-            while t < Ltot:
+            while t < Lp:
+                tok = t < Ltot  # (QUANT: pad tokens write zero int8 rows only)
                 p = 0
                 tl = t
                 if t >= L0:
                     p = 1
                     tl = t - L0
+                if not tok:
+                    p = 0
+                    tl = 0
                 if p == 0:
                     row = qkv0[b, tl]
                 else:
@@ -157,7 +173,7 @@ def make_qk_kernel(VW=2):
                 while h0 < H:  # uniform trip count over the block (shuffles below)
                     h = h0 + g
                     valid = h < H
-                    if valid:
+                    if valid and tok:
                         if VW == 2:
                             t2 = ld2(row, h * Dw + wo)
                             wq[0] = t2[0]
@@ -186,7 +202,9 @@ def make_qk_kernel(VW=2):
                         s_k += c[e] * c[e]
                     s_q = group_sum(s_q, G, smem)
                     s_k = group_sum(s_k, G, smem)
-                    if valid:
+                    mq = float32(0)
+                    mk = float32(0)
+                    if valid and tok:
                         rq = rsqrt(s_q * inv_d + eps)
                         rk = rsqrt(s_k * inv_d + eps)
                         sqr = scales[p, 0]
@@ -225,6 +243,37 @@ def make_qk_kernel(VW=2):
                         else:
                             out[0, b, h, t, wo] = wq[0]
                             out[1, b, h, t, wo] = wk[0]
+                        if QUANT:
+                            # quantize exactly the bf16 values just stored (only the 4 packed words
+                            # stay live across the reduction: unpacked again below, <= 64 registers)
+                            for u in range(VW):
+                                unpack_w(wq[u], a, 4 * u, 4)
+                                unpack_w(wk[u], c, 4 * u, 4)
+                            for e in range(NE):
+                                mq = max(mq, abs(a[e]))
+                                if KQ:
+                                    mk = max(mk, abs(c[e] - kmean[b, h, 4 * wo + e]))
+                    if QUANT:  # (pad tokens: zero words, tiny scales)
+                        mq = group_max(mq, G, smem)
+                        if KQ:
+                            mk = group_max(mk, G, smem)
+                        if valid:
+                            mq = max(mq, TINY)
+                            for u in range(VW):
+                                unpack_w(wq[u], a, 4 * u, 4)
+                            q8[0, b, h, t, w] = pack8(a, 0, float32(127) / mq)
+                            if w == 0:
+                                qsc[0, b, h, t] = mq / float32(127)
+                            if KQ:
+                                mk = max(mk, TINY)
+                                for u in range(VW):
+                                    unpack_w(wk[u], a, 4 * u, 4)
+                                if tok:
+                                    for e in range(NE):
+                                        a[e] -= kmean[b, h, 4 * wo + e]
+                                q8[1, b, h, t, w] = pack8(a, 0, float32(127) / mk)
+                                if w == 0:
+                                    qsc[1, b, h, t] = mk / float32(127)
                     h0 += NG * cuda.gridDim.z
                 t += cuda.gridDim.x
             b += cuda.gridDim.y
@@ -235,10 +284,21 @@ def make_qk_kernel(VW=2):
 _launchers = {}
 _scale_cache = {}
 _dummy_pe = {}
+_dummy_q = {}
 
 
-def _launcher(VW):
-    return ik.cached_launcher(_launchers, VW, make_qk_kernel, VW)
+def _launcher(VW, QUANT=0):
+    return ik.cached_launcher(_launchers, (VW, QUANT), make_qk_kernel, VW, QUANT)
+
+
+def _no_quant(device):
+    """Placeholders for q8 / qsc / kmean where the kernel writes no int8 copy (QUANT 0: not read)."""
+    d = _dummy_q.get(device)
+    if d is None:
+        d = _dummy_q[device] = (torch.zeros((1, 1, 1, 1, 1), dtype=torch.int64, device=device),
+                                torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device),
+                                torch.zeros((1, 1, 1), dtype=torch.float32, device=device))
+    return d
 
 
 @functools.lru_cache(maxsize=1024)
@@ -254,12 +314,12 @@ def _ptx_cases():
     A = lambda dt, nd: nt.Array(dt, nd, "A")  # noqa: E731
     sig = (A(nt.int64, 3), A(nt.int64, 3), A(nt.int64, 3), A(nt.int64, 3), A(nt.int64, 5),
            nt.int64, nt.int64, nt.float32)
-    sig_q = sig[:5] + (A(nt.int64, 5), A(nt.float32, 4), A(nt.float32, 3), nt.int64, nt.int64, nt.float32)
+    sig = sig[:5] + (A(nt.int64, 5), A(nt.float32, 4), A(nt.float32, 3)) + sig[5:]
     sig_m = sig[:4] + (A(nt.float32, 3), nt.int64, nt.int64, nt.int64, nt.int64, nt.float32)
     return {"qk_norm_rope w2": lambda: (make_qk_kernel(2), sig),
             "qk_norm_rope w1": lambda: (make_qk_kernel(1), sig),
-            "qk_norm_rope q8": lambda: (make_qk_kernel_q(), sig_q),
-            "qk_norm_rope q8 q only": lambda: (make_qk_kernel_q(False), sig_q),
+            "qk_norm_rope q8": lambda: (make_qk_kernel(2, 2), sig),
+            "qk_norm_rope q8 q only": lambda: (make_qk_kernel(2, 1), sig),
             "qk kmean": lambda: (make_kmean_kernel(), sig_m)}
 
 
@@ -482,170 +542,12 @@ def make_kmean_kernel():
     return ik.jit_kernel(kmean_kernel, launch_bounds=(1024, 1))
 
 
-def make_qk_kernel_q(KQ=True):
-    """qk_kernel (VW = 2) plus the int8 outputs: q8 int64 [2, B, H, Lp, D/8] (8 int8 per word; lane
-    w owns word w), qsc f32 [2, B, H, Lp], kmean f32 [B, H, D].  Grid x strides over Lp tokens
-    (tokens >= Ltot: zero int8 rows, no bf16 stores, no loads).  KQ=False: Q alone (q8[1], qsc[1]
-    and kmean untouched)."""
-    RED = ik.RED_SMEM
-    VW = 2
-    NE = 8
-    pack8 = _quant_helpers()
-    TINY = float32(1e-20)
-
-    def qk_kernel_q(qkv0, qkv1, scales, pe, out, q8, qsc, kmean, L0, has_pe, eps):
-        smem = cuda.shared.array(RED, float32)
-        wq = cuda.local.array(VW, int64)
-        wk = cuda.local.array(VW, int64)
-        a = cuda.local.array(NE, float32)
-        c = cuda.local.array(NE, float32)
-        f = cuda.local.array(4, float32)
-        tid = cuda.threadIdx.x
-        nt = cuda.blockDim.x
-        B = out.shape[1]
-        H = out.shape[2]
-        Ltot = out.shape[3]
-        Dw = out.shape[4]
-        Lp = q8.shape[3]
-        lg = 0
-        while (1 << lg) < Dw:
-            lg += 1
-        lg -= 1
-        G = 1 << lg
-        g = tid >> lg
-        w = tid & (G - 1)
-        NG = nt >> lg
-        inv_d = float32(1) / float32(Dw * 4)
-        Bp = pe.shape[0]
-        wo = w * VW
-        b = cuda.blockIdx.y
-        while b < B:
-            pb = b
-            if pb >= Bp:
-                pb = Bp - 1
-            t = cuda.blockIdx.x
-            while t < Lp:
-                tok = t < Ltot
-                p = 0
-                tl = t
-                if t >= L0:
-                    p = 1
-                    tl = t - L0
-                if not tok:
-                    p = 0
-                    tl = 0
-                if p == 0:
-                    row = qkv0[b, tl]
-                else:
-                    row = qkv1[b, tl]
-                h0 = cuda.blockIdx.z * NG
-                while h0 < H:  # uniform trip count over the block (shuffles below)
-                    h = h0 + g
-                    valid = h < H
-                    if valid and tok:
-                        t2 = ld2(row, h * Dw + wo)
-                        wq[0] = t2[0]
-                        wq[1] = t2[1]
-                        t2 = ld2(row, (H + h) * Dw + wo)
-                        wk[0] = t2[0]
-                        wk[1] = t2[1]
-                        t2 = ld2(row, (2 * H + h) * Dw + wo)
-                        st2(out[2, b, h, t], wo, t2[0], t2[1])
-                    else:
-                        for u in range(VW):
-                            wq[u] = int64(0)
-                            wk[u] = int64(0)
-                    s_q = float32(0)
-                    s_k = float32(0)
-                    for u in range(VW):
-                        unpack_w(wq[u], a, 4 * u, 4)
-                        unpack_w(wk[u], c, 4 * u, 4)
-                    for e in range(NE):
-                        s_q += a[e] * a[e]
-                        s_k += c[e] * c[e]
-                    s_q = group_sum(s_q, G, smem)
-                    s_k = group_sum(s_k, G, smem)
-                    mq = float32(0)
-                    mk = float32(0)
-                    if valid and tok:  # (pad tokens: zero words, tiny scales)
-                        rq = rsqrt(s_q * inv_d + eps)
-                        rk = rsqrt(s_k * inv_d + eps)
-                        sqr = scales[p, 0]
-                        skr = scales[p, 1]
-                        for u in range(VW):
-                            t2 = ld2(sqr, 2 * wo + 2 * u)
-                            f[0], f[1] = unpack_f32x2(t2[0])
-                            f[2], f[3] = unpack_f32x2(t2[1])
-                            for e in range(4):
-                                a[4 * u + e] *= rq * f[e]
-                            t2 = ld2(skr, 2 * wo + 2 * u)
-                            f[0], f[1] = unpack_f32x2(t2[0])
-                            f[2], f[3] = unpack_f32x2(t2[1])
-                            for e in range(4):
-                                c[4 * u + e] *= rk * f[e]
-                        if has_pe:
-                            per = pe[pb, t]
-                            for i in range(2 * VW):
-                                t2 = ld2(per, 4 * wo + 2 * i)
-                                f[0], f[1] = unpack_f32x2(t2[0])
-                                f[2], f[3] = unpack_f32x2(t2[1])
-                                x0 = a[2 * i]
-                                x1 = a[2 * i + 1]
-                                a[2 * i] = f[0] * x0 + f[1] * x1
-                                a[2 * i + 1] = f[2] * x0 + f[3] * x1
-                                x0 = c[2 * i]
-                                x1 = c[2 * i + 1]
-                                c[2 * i] = f[0] * x0 + f[1] * x1
-                                c[2 * i + 1] = f[2] * x0 + f[3] * x1
-                        for u in range(VW):
-                            wq[u] = pack4(a[4 * u], a[4 * u + 1], a[4 * u + 2], a[4 * u + 3])
-                            wk[u] = pack4(c[4 * u], c[4 * u + 1], c[4 * u + 2], c[4 * u + 3])
-                        st2(out[0, b, h, t], wo, wq[0], wq[1])
-                        st2(out[1, b, h, t], wo, wk[0], wk[1])
-                        # quantize exactly the bf16 values just stored (only the 4 packed words
-                        # stay live across the reduction: unpacked again below, <= 64 registers)
-                        for u in range(VW):
-                            unpack_w(wq[u], a, 4 * u, 4)
-                            unpack_w(wk[u], c, 4 * u, 4)
-                        for e in range(NE):
-                            mq = max(mq, abs(a[e]))
-                            if KQ:
-                                mk = max(mk, abs(c[e] - kmean[b, h, 4 * wo + e]))
-                    mq = group_max(mq, G, smem)
-                    if KQ:
-                        mk = group_max(mk, G, smem)
-                    if valid:
-                        mq = max(mq, TINY)
-                        for u in range(VW):
-                            unpack_w(wq[u], a, 4 * u, 4)
-                        q8[0, b, h, t, w] = pack8(a, 0, float32(127) / mq)
-                        if w == 0:
-                            qsc[0, b, h, t] = mq / float32(127)
-                        if KQ:
-                            mk = max(mk, TINY)
-                            for u in range(VW):
-                                unpack_w(wk[u], a, 4 * u, 4)
-                            if tok:
-                                for e in range(NE):
-                                    a[e] -= kmean[b, h, 4 * wo + e]
-                            q8[1, b, h, t, w] = pack8(a, 0, float32(127) / mk)
-                            if w == 0:
-                                qsc[1, b, h, t] = mk / float32(127)
-                    h0 += NG * cuda.gridDim.z
-                t += cuda.gridDim.x
-            b += cuda.gridDim.y
-
-    return ik.jit_kernel(qk_kernel_q, **LB)
-
-
-_q_launchers = {}
+_kmean_launchers = {}
 _q8_scratch = {}
 
 
-def _q_launcher(name):
-    fac, args = {"kmean": (make_kmean_kernel, ()), "quant": (make_qk_kernel_q, ()),
-                 "quant_q": (make_qk_kernel_q, (False,))}[name]
-    return ik.cached_launcher(_q_launchers, name, fac, *args)
+def _kmean_launcher():
+    return ik.cached_launcher(_kmean_launchers, "kmean", make_kmean_kernel)
 
 
 def _q8_buffers(B, H, Lp, D, dev):
@@ -667,8 +569,8 @@ def _launch_quant(a0, a1, sc, pe_w, ow, q, k, B, H, D, L0, Ltot, has_pe, eps, nt
     if kq:
         S = min(Ltot, KMEAN_SAMPLES)
         ntm = min(1024, -(-(S * (D // 8)) // 32) * 32)
-        _q_launcher("kmean")(ik.grid3(H, B, 1), ntm, a0, a1, sc, pe_w, km, L0, Ltot, S, hp, np.float32(eps))
-    _q_launcher("quant" if kq else "quant_q")(ik.grid3(Lp, B, nz), nt, a0, a1, sc, pe_w, ow, q8w, qsc, km, L0, hp,
+        _kmean_launcher()(ik.grid3(H, B, 1), ntm, a0, a1, sc, pe_w, km, L0, Ltot, S, hp, np.float32(eps))
+    _launcher(2, 2 if kq else 1)(ik.grid3(Lp, B, nz), nt, a0, a1, sc, pe_w, ow, q8w, qsc, km, L0, hp,
                                               np.float32(eps))
     if not kq:
         return Quant8(q, k, q8[0], None, qsc[0].reshape(-1), None, None, Lp, views)
@@ -697,7 +599,7 @@ def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6, quant8: boo
                              B, H, D, L0, Ltot, pe is not None, eps, nt, nz, dev, kq=quant8 != "q")
         return q, k, v, pack
     _launcher(VW)(ik.grid3(Ltot, B, nz), nt,
-                  a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow,
+                  a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow, *_no_quant(dev),
                   L0, 1 if pe is not None else 0, np.float32(eps))
     if quant8:  # no int8 copy for this layout: attention falls back to its pre-pass
         return out[0], out[1], out[2], None
