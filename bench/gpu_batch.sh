@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One GPU call, several measurements in a row, each under its own time limit; everything written
+# to $OUT/r and packed into $OUT/results.tgz (the device tool brings back at most 8 files).
+# On the GPU machine, repo root as cwd, .whl and .gpu carried:
+#   PARTS="server033 bench vae" bash bench/gpu_batch.sh
+# Parts:
+#   server033 / server080   real servers (gpu_server.py, default flags), stock / patched (per-block or
+#                           whole graphs) / patched_eager (cuda_graph off) interleaved, then profiles
+#                           (cprofile, torch busy share + idle gaps, trace) of each case
+#   srvmatrix               the #23 server matrix (CASES, FLAGS env: see below)
+#   bench                   bench.py step times (v0.8.0's Flux module) for every variant of VARIANTS
+#   vae                     bench/gpu_vae.py --decoder-only (v0.8.0 and v0.33.0)
+set -u
+OUT=${OUT:-/tmp/out}
+. bench/gpu_setup.sh > "$OUT/setup.txt" 2>&1; set +e
+R=$OUT/r; mkdir -p "$R"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > "$R/gpu.txt" 2>&1
+nproc >> "$R/gpu.txt"
+S="python3 bench/gpu_server.py --steps 28 --res 1024 --prompt-timeout 150"
+for part in ${PARTS:-server033 bench vae}; do
+  t0=$(date +%s)
+  case $part in
+    server033|server080)
+      tree=$COMFY033; [ $part = server080 ] && tree=$COMFY080
+      timeout ${SRV_T:-330} $S --comfy "$tree" --flags= --cases ${SRV_CASES:-stock,patched,patched_eager} \
+        --repeat ${SRV_REP:-3} --interleave --json "$R/$part.json" --logs "$R/logs_$part" \
+        --profile "$R/prof_$part" --profile-kinds ${PROF_KINDS:-cprofile,torch,trace} > "$R/$part.txt" 2>&1;;
+    srvmatrix)
+      timeout ${MAT_T:-400} $S --comfy ${MAT_TREE:-$COMFY033} ${MAT_FLAGS:---flags=} --cases ${MAT_CASES:-stock,patched} \
+        --repeat ${MAT_REP:-3} --interleave --json "$R/matrix_${MAT_TAG:-x}.json" --logs "$R/logs_matrix_${MAT_TAG:-x}" \
+        > "$R/matrix_${MAT_TAG:-x}.txt" 2>&1;;
+    bench)
+      COMFYUI_PATH=$COMFY080 timeout ${BENCH_T:-220} python3 bench.py \
+        --variants ${VARIANTS:-stock,exact,exact+graph,fast,fast+graph,fast-cached,fast-cached+graph,attn8} \
+        --reps 5 --json "$R/bench.json" > "$R/bench.txt" 2>&1;;
+    vae)
+      FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=$COMFY080 timeout ${VAE_T:-100} python3 bench/gpu_vae.py --decoder-only > "$R/vae080.txt" 2>&1;;
+    *) echo "unknown part $part" > "$R/$part.txt";;
+  esac
+  echo "$part rc=$? $(( $(date +%s) - t0 )) s" >> "$R/parts.txt"
+  tail -1 "$R/parts.txt"
+  tar -czf "$OUT/results.tgz" -C "$OUT" r setup.txt  # after every part: a call cut short keeps what it has
+done
+for f in "$R"/*.txt; do echo "=== $f"; tail -n ${TAIL:-14} "$f"; done
