@@ -339,8 +339,8 @@ def main():
         fused = variant not in ("stock", "pack-torch")
         bctx = BlockContext(fused=fused, gemm_epilogue=fused,
                             quant8=bool(policy) and policy.get("attention") == "numba-8bit")
-        if a.weight_dtype != "default":  # weights cast per call by ComfyUI's ops: get them the way the node does
-            from flux_numba_pack.nodes.host import ComfyWeights
+        if comfy_root:  # ComfyUI's modules (its ops classes, per-call casts of fp8 storage):
+            from flux_numba_pack.nodes.host import ComfyWeights  # their weights the way the node gets them
             bctx.host = ComfyWeights()
         if variant in ("fast", "fast-cached"):
             from flux_numba_pack.flux_core import fast as fast_mod

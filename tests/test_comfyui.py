@@ -529,3 +529,21 @@ def test_lora_weight_patches_apply_to_the_patched_model(comfy):
     assert_ran_patched(pm)
     assert torch.allclose(got, stock_lora, rtol=1e-5, atol=1e-5), rel_err(got, stock_lora)
     assert torch.equal(_sample(mp, latent, 2), base), "weights restored after sampling"
+
+
+def test_bench_runs_the_node_paths_on_comfys_modules(tmp_path):
+    """bench.py on ComfyUI's own Flux module gets the block weights the way the node does (its ops
+    classes have their own forward: a plain-module weight lookup hands out none), so ``exact`` runs
+    the GEMM-epilogue up-projection and ``fast`` its fp8 ops -- not silently the exact path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "b.json"
+    env = dict(os.environ, COMFYUI_PATH=COMFYUI_PATH)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    p = subprocess.run([sys.executable, "bench.py", "--config", "tiny", "--device", "cpu", "--res", "64", "--txt", "8",
+                        "--reps", "1", "--warmup", "1", "--no-ref", "--variants", "exact,fast,fast-cached", "--json", str(out)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.load(open(out))["results"]
+    assert "linear_gelu" in res["exact"]["backends"], res["exact"]["backends"]
+    for v in ("fast", "fast-cached"):
+        assert {"ln_modulate_fp8", "gelu_tanh_fp8", "attn_gelu_fp8"} <= set(res[v]["backends"]), res[v]["backends"]
