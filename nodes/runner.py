@@ -640,6 +640,10 @@ def patch_model(model, opts: dict, unique_id=None):
         m.set_model_patch_replace(_make_fn(runner, kind, i, prev), "dit", f"{kind}_block", i)
         info[f"{kind}_blocks"] += 1
     _use_stock_rope()
+    from .host import install_conds_on_device
+    # the conditioning goes to the GPU once per sampling run, not from the CPU every step (a copy from
+    # pageable memory waits for the GPU: the next step's host work would run with the GPU idle)
+    info["conds_on_device"] = install_conds_on_device(m)
     runtime = _pack()[2]
     if opts["backend"] != "torch" and not runtime.SIMULATOR:
         info["kernels"] = warm_kernels(unique_id, opts)

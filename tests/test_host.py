@@ -929,3 +929,61 @@ def test_versions_features_name_what_differs(comfy, caplog):
         versions.log_once()
     lines = [r.getMessage() for r in caplog.records if "[flux_numba] ComfyUI" in r.getMessage()]
     assert len(lines) == 1 and f"ComfyUI {f['version']}" in lines[0] and "block_prefetch" in lines[0]
+
+
+# ----------------------------------------------------------------------------- conditioning on the GPU
+def test_conds_to_device_moves_plain_tensor_conds_once_and_mutates_nothing(comfy):
+    """``host.conds_to_device``: ComfyUI's plain tensor conditions (context, pooled vector, guidance,
+    list conds) get their tensors on the device -- one copy per source tensor, the same class --
+    while constants, other nodes' condition classes and the caller's dicts are left as they were."""
+    import comfy.conds as cc
+    from flux_numba_pack.nodes.host import conds_to_device
+
+    class Other(cc.CONDRegular):  # another node's subclass may hold more state: left alone
+        pass
+    ctx = torch.randn(1, 5, 8)
+    pooled = torch.randn(1, 4)
+    mc = {"c_crossattn": cc.CONDCrossAttn(ctx), "y": cc.CONDRegular(pooled), "guidance": cc.CONDRegular(torch.tensor([3.5])),
+          "lst": cc.CONDList([ctx, pooled]), "const": cc.CONDConstant(7), "other": Other(torch.ones(2))}
+    pos = {"model_conds": mc, "strength": 1.0}
+    neg = {"model_conds": {"c_crossattn": mc["c_crossattn"]}}  # shared with the positive: one copy
+
+    class Guider:
+        conds = {"positive": [pos], "negative": [neg]}
+    g = Guider()
+    n = conds_to_device(g, torch.device("meta"))
+    assert n == 5
+    new = g.conds["positive"][0]["model_conds"]
+    assert g.conds["positive"][0] is not pos and pos["model_conds"] is mc and mc["y"].cond is pooled, "the caller's dicts stay as they were"
+    for k in ("c_crossattn", "y", "guidance"):
+        assert type(new[k]) is type(mc[k]) and new[k].cond.device.type == "meta" and new[k].cond.shape == mc[k].cond.shape
+    assert [t.device.type for t in new["lst"].cond] == ["meta", "meta"]
+    assert new["const"] is mc["const"] and new["other"] is mc["other"]
+    assert g.conds["negative"][0]["model_conds"]["c_crossattn"].cond is new["c_crossattn"].cond, "one copy per source tensor"
+    assert g.conds["positive"][0]["strength"] == 1.0
+    assert conds_to_device(g, torch.device("meta")) == 0, "already moved: nothing more to do"
+
+
+def test_conds_wrapper_runs_inside_comfys_sampler_and_changes_nothing(comfy, monkeypatch):
+    """The patch installs a SAMPLER_SAMPLE wrapper that moves the processed conds (here: to the CPU
+    itself, the same code path) before the sampler runs: it sees ComfyUI's processed conds in both
+    versions, and the result equals stock's, with CFG and a negative too."""
+    from flux_numba_pack.nodes.host import wrappers
+    monkeypatch.setattr(wrappers, "CONDS_DEVICE_TYPES", ("cuda", "cpu"))
+    calls = []
+    orig = wrappers.conds_to_device
+
+    def spy(guider, device):
+        n = orig(guider, device)
+        calls.append(n)
+        return n
+    monkeypatch.setattr(wrappers, "conds_to_device", spy)
+    mp = tiny_patcher(comfy)
+    latent = torch.zeros(1, *TINY_LATENT)
+    for kw in (dict(), dict(cfg=2.0, neg=_cond(neg=True))):
+        stock = _sample(mp, latent, **kw)
+        pm, = Patch().patch(mp, backend="torch", profile="exact")
+        assert pm.model_options["transformer_options"]["flux_numba"]["conds_on_device"] is True
+        got = _sample(pm, latent, **kw)
+        assert calls and calls[-1] >= 3, calls  # context, pooled vector, guidance (and the negative's)
+        assert torch.allclose(got, stock, rtol=1e-5, atol=1e-5), rel_err(got, stock)

@@ -2,7 +2,10 @@
 wrappers, the wrapper chain seen from inside a wrapper, the sampler's arguments, unload callbacks."""
 from __future__ import annotations
 
+import logging
 from typing import List, Optional
+
+log = logging.getLogger("flux_numba")
 
 
 def install_diffusion_wrapper(model_patcher, key: str, wrapper):
@@ -69,6 +72,97 @@ def drop_on_unload(model_patcher, key, drop):
     try:
         import comfy.patcher_extension as pe
         model_patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, key, on_detach)
+        return True
+    except Exception:
+        return False
+
+
+# ----------------------------------------------------------------------------- conditioning on the GPU
+CONDS_KEY = "flux_numba_conds_on_device"
+# ComfyUI's own tensor conditions whose whole state is ``.cond`` (``_copy_with`` rebuilds them from it);
+# another node's subclass may carry more state and is left alone
+_COND_CLASSES = ("CONDRegular", "CONDNoiseShape", "CONDCrossAttn", "CONDList")
+CONDS_MAX_BYTES = 1 << 30  # a condition bigger than this stays where it is (not a text conditioning)
+CONDS_DEVICE_TYPES = ("cuda",)  # devices the conds are moved to (tests add "cpu": the same path, no copy)
+
+
+def _cond_to(cond, device, memo):
+    """``cond`` with its tensor(s) on ``device`` (one copy per source tensor: ``memo``), or None when
+    it is not one of ComfyUI's plain tensor conditions or is not on the CPU."""
+    import torch
+    import comfy.conds as cc
+    if type(cond) not in tuple(getattr(cc, n) for n in _COND_CLASSES if hasattr(cc, n)):
+        return None
+    t = cond.cond
+    ts = t if isinstance(t, list) else [t]
+    if not ts or not all(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in ts):
+        return None
+    if sum(x.numel() * x.element_size() for x in ts) > CONDS_MAX_BYTES:
+        return None
+
+    def to(x):
+        hit = memo.get(id(x))  # (source, copy): the source is held, so its id stays unique meanwhile
+        if hit is None:
+            hit = memo[id(x)] = (x, x.to(device))
+        return hit[1]
+    return cond._copy_with([to(x) for x in t] if isinstance(t, list) else to(t))
+
+
+def conds_to_device(guider, device) -> int:
+    """Move the tensor conditions of a guider's processed conds (``CFGGuider.conds`` inside
+    ``inner_sample``: per-sampling copies made by ``process_conds``) to ``device`` once; returns how
+    many were moved.  ComfyUI otherwise copies them from the CPU on every step (``_apply_model``:
+    ``cast_to_device`` of the context, pooled vector, guidance), and a copy from pageable memory
+    waits until the GPU has finished the previous step -- the host then does the next step's set-up
+    while the GPU idles.  Values are unchanged (the same tensors, copied once; the dtype cast then
+    runs on the GPU, with the same rounding)."""
+    conds = getattr(guider, "conds", None)
+    if not isinstance(conds, dict):
+        return 0
+    memo, moved = {}, 0
+    for lst in conds.values():
+        if not isinstance(lst, list):
+            continue
+        for i, c in enumerate(lst):
+            mc = c.get("model_conds") if isinstance(c, dict) else None
+            if not isinstance(mc, dict):
+                continue
+            new = dict(mc)
+            for k, v in mc.items():
+                m = _cond_to(v, device, memo)
+                if m is not None:
+                    new[k] = m
+            if any(new[k] is not mc[k] for k in mc):
+                moved += sum(new[k] is not mc[k] for k in mc)
+                c = dict(c)  # the list's own entry is replaced: nothing shared with the caller is mutated
+                c["model_conds"] = new
+                lst[i] = c
+    return moved
+
+
+_CONDS_SEEN = []  # conditions moved per sampling run (the last few; tests read it)
+
+
+def _conds_wrapper(executor, guider, *args, **kwargs):
+    """SAMPLER_SAMPLE wrapper: ``conds_to_device`` on the sampled model's device, then the sampler."""
+    try:
+        dev = getattr(getattr(guider, "model_patcher", None), "load_device", None)
+        if dev is not None and getattr(dev, "type", None) in CONDS_DEVICE_TYPES:
+            n = conds_to_device(guider, dev)
+            _CONDS_SEEN.append(n)
+        del _CONDS_SEEN[:-8]
+    except Exception as e:  # never in the way of sampling: the conds stay where ComfyUI put them
+        log.warning("[flux_numba] conditioning left on the CPU (%s: %s)", type(e).__name__, e)
+    return executor(guider, *args, **kwargs)
+
+
+def install_conds_on_device(model_patcher) -> bool:
+    """(Re)place the SAMPLER_SAMPLE wrapper that moves the conditioning to the GPU once per sampling run
+    (``conds_to_device``); False where the host has no such wrapper."""
+    try:
+        import comfy.patcher_extension as pe
+        model_patcher.remove_wrappers_with_key(pe.WrappersMP.SAMPLER_SAMPLE, CONDS_KEY)
+        model_patcher.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, CONDS_KEY, _conds_wrapper)
         return True
     except Exception:
         return False
