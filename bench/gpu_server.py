@@ -376,6 +376,7 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
     ``vae_*``: decode-only (``decode_graph``)."""
     if case in VAE_CASES:
         return decode_graph(case, res, seed, vae)
+    name = case  # the SaveImage prefix: the case's full name (image_psnr pairs files by it)
     fp8 = case.endswith("_fp8")
     case = case[: -len("_fp8")] if fp8 else case
     eager = case.endswith("_eager")  # cuda_graph off: every block eager (the host path's own cost)
@@ -409,8 +410,39 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
         "model": model, "seed": seed, "steps": steps, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
         "positive": ["cond", 0], "negative": ["cond", 0], "latent_image": ["lat", 0], "denoise": 1.0}}
     g["dec"] = {"class_type": "VAEDecode", "inputs": {"samples": ["ks", 0], "vae": vae_ref}}
-    g["save"] = {"class_type": "SaveImage", "inputs": {"images": ["dec", 0], "filename_prefix": case}}
+    g["save"] = {"class_type": "SaveImage", "inputs": {"images": ["dec", 0], "filename_prefix": name}}
     return g
+
+
+def image_psnr(out_dir, cases, interleaved):
+    """PSNR (dB, 8-bit PNGs) of each case's images against the stock case's image of the same run
+    index (the same seed): {case: [dB per run]}.  Stock is ``stock`` for bf16 cases and ``stock_fp8``
+    for ``*_fp8`` ones; cases without a stock partner in the run are left out."""
+    try:
+        import numpy as np
+        from PIL import Image
+    except ImportError:
+        return {}
+
+    def files(case):
+        return sorted(f for f in os.listdir(out_dir) if f.startswith(case + "_") and f.endswith(".png")
+                      and re.fullmatch(re.escape(case) + r"_\d{5}_\.png", f))
+    if not os.path.isdir(out_dir):
+        return {}
+    res = {}
+    for case in cases:
+        ref = "stock_fp8" if case.endswith("_fp8") else "stock"
+        if case == ref or ref not in cases or case in VAE_CASES:
+            continue
+        out = []
+        for fa, fb in zip(files(case), files(ref)):
+            a = np.asarray(Image.open(os.path.join(out_dir, fa)).convert("RGB"), dtype=np.float64)
+            b = np.asarray(Image.open(os.path.join(out_dir, fb)).convert("RGB"), dtype=np.float64)
+            mse = float(((a - b) ** 2).mean()) if a.shape == b.shape else float("nan")
+            out.append(round(10 * np.log10(255.0 ** 2 / mse), 2) if mse > 0 else float("inf"))
+        if out:
+            res[case] = out
+    return res
 
 
 def run_prompt(url, prompt, timeout):
@@ -611,6 +643,9 @@ def main():
                 rows.append((ver, flags or "(default)", case, f"{last.get('s', float('nan')):.2f}" if last.get("ok") else
                              "FAIL", f"{runs[0].get('s', float('nan')):.2f}" if runs and runs[0].get("ok") else "-",
                              f"{last.get('peak_mib', 0) / 1024:.1f}", "" if last.get("ok") else last.get("error", "")[:60]))
+            psnr = image_psnr(os.path.join(base, "output"), cases, a.interleave)
+            if psnr:
+                rec["psnr_vs_stock_db"] = psnr
             alive = alive and proc.poll() is None
             rec["server_alive"] = alive
             proc.terminate()
@@ -647,6 +682,10 @@ def main():
             if pr.get("idle_ms") is not None:
                 print(f"   idle {pr['idle_ms']:.1f} ms in gaps: " + ", ".join(
                     f"{k} {v:.1f} ms ({pr['gaps_by_size'][k]})" for k, v in pr["idle_ms_by_gap"].items()))
+    for rec in results:
+        for case, dbs in rec.get("psnr_vs_stock_db", {}).items():
+            print(f"PSNR vs stock (same seed, 8-bit PNG), {rec['comfyui']} {rec['flags'] or '(default)'} {case}: "
+                  + ", ".join(f"{d:.1f}" for d in dbs) + " dB")
     for rec in results:
         if rec.get("median_warm_s"):
             print(f"median of runs 2..N, {rec['comfyui']} {rec['flags'] or '(default)'}: "
