@@ -27,18 +27,18 @@ for part in ${PARTS:-server033 bench vae}; do
         --profile "$R/prof_$part" --profile-kinds ${PROF_KINDS:-cprofile,torch,trace} > "$R/$part.txt" 2>&1;;
     srvmatrix)
       timeout ${MAT_T:-400} $S --comfy ${MAT_TREE:-$COMFY033} --flags="${MAT_FLAG:-}" --cases ${MAT_CASES:-stock,patched} \
-        --repeat ${MAT_REP:-3} --interleave --json "$R/matrix_${MAT_TAG:-x}.json" --logs "$R/logs_matrix_${MAT_TAG:-x}" \
+        --repeat ${MAT_REP:-3} --interleave ${MAT_ARGS:-} --json "$R/matrix_${MAT_TAG:-x}.json" --logs "$R/logs_matrix_${MAT_TAG:-x}" \
         ${MAT_PROF:+--profile "$R/prof_matrix_${MAT_TAG:-x}" --profile-kinds $MAT_PROF} \
         > "$R/matrix_${MAT_TAG:-x}.txt" 2>&1;;
     srvmatrix2)  # a second matrix in the same call (MAT2_* as MAT_*)
       timeout ${MAT2_T:-300} $S --comfy ${MAT2_TREE:-$COMFY033} --flags="${MAT2_FLAG:-}" --cases ${MAT2_CASES:-stock,patched} \
-        --repeat ${MAT2_REP:-3} --interleave --json "$R/matrix_${MAT2_TAG:-y}.json" --logs "$R/logs_matrix_${MAT2_TAG:-y}" \
+        --repeat ${MAT2_REP:-3} --interleave ${MAT2_ARGS:-} --json "$R/matrix_${MAT2_TAG:-y}.json" --logs "$R/logs_matrix_${MAT2_TAG:-y}" \
         ${MAT2_PROF:+--profile "$R/prof_matrix_${MAT2_TAG:-y}" --profile-kinds $MAT2_PROF} \
         > "$R/matrix_${MAT2_TAG:-y}.txt" 2>&1;;
     bench)
       COMFYUI_PATH=$COMFY080 timeout ${BENCH_T:-220} python3 bench.py \
         --variants ${VARIANTS:-stock,exact,exact+graph,fast,fast+graph,fast-cached,fast-cached+graph,attn8} \
-        --reps 5 --json "$R/bench.json" > "$R/bench.txt" 2>&1;;
+        --reps 5 ${BENCH_ARGS:-} --json "$R/bench.json" > "$R/bench.txt" 2>&1;;
     vae)
       FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=$COMFY080 timeout ${VAE_T:-100} python3 bench/gpu_vae.py --decoder-only > "$R/vae080.txt" 2>&1;;
     *) echo "unknown part $part" > "$R/$part.txt";;

@@ -368,7 +368,7 @@ def decode_graph(case, res, seed, vae):
     return g
 
 
-def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
+def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", stock_vae=False):
     """API prompt for one case: stock | patched | patched_fast (profile fast) | patched_fast_cached
     (profile fast-cached) | easycache | lazycache | stock_easycache | stock_lazycache; a case ending in
     ``_fp8`` loads the weights with UNETLoader's weight_dtype fp8_e4m3fn (stock_fp8, patched_fast_fp8);
@@ -376,7 +376,7 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
     ``vae_*``: decode-only (``decode_graph``)."""
     if case in VAE_CASES:
         return decode_graph(case, res, seed, vae)
-    name = case  # the SaveImage prefix: the case's full name (image_psnr pairs files by it)
+    name = prefix + case  # the SaveImage prefix: the case's full name (image_psnr pairs files by it)
     fp8 = case.endswith("_fp8")
     case = case[: -len("_fp8")] if fp8 else case
     eager = case.endswith("_eager")  # cuda_graph off: every block eager (the host path's own cost)
@@ -398,8 +398,9 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768)):
             "model": model, "profile": profile, "route_norms": True, "attention": "auto", "backend": "auto",
             "cuda_graph": "off" if eager else "auto"}}
         model = ["patch", 0]
-        g["vpatch"] = {"class_type": "FluxNumbaVAEPatch", "inputs": {"vae": vae_ref, "enabled": True, "backend": "auto"}}
-        vae_ref = ["vpatch", 0]
+        if not stock_vae:
+            g["vpatch"] = {"class_type": "FluxNumbaVAEPatch", "inputs": {"vae": vae_ref, "enabled": True, "backend": "auto"}}
+            vae_ref = ["vpatch", 0]
     cache = {"easycache": "EasyCache", "stock_easycache": "EasyCache",
              "lazycache": "LazyCache", "stock_lazycache": "LazyCache"}.get(case)
     if cache:
@@ -539,6 +540,8 @@ def main():
     p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--profile-kinds", default="cprofile,torch", help="comma list of cprofile (host time by "
                    "function), torch (GPU busy share, idle gaps), trace (host + GPU timeline, chrome trace .json.gz)")
+    p.add_argument("--stock-vae", action="store_true", help="patched cases decode with ComfyUI's own VAE (no "
+                   "FluxNumbaVAEPatch): the images' PSNR vs stock then measures the FLUX model's path alone")
     p.add_argument("--cond-dims", default="4096,768", help="text context / pooled widths (a CPU smoke test with "
                    "run.py --write-model --comfy-min weights uses that model's)")
     a = p.parse_args()
@@ -604,7 +607,8 @@ def main():
                     try:
                         r = run_prompt(url, graph(case, a.steps, a.res, 7 + i, os.path.basename(a.weights),
                                                   os.path.basename(vae_path),
-                                                  tuple(int(v) for v in a.cond_dims.split(","))), a.prompt_timeout)
+                                                  tuple(int(v) for v in a.cond_dims.split(",")), stock_vae=a.stock_vae),
+                                       a.prompt_timeout)
                     except Exception as e:
                         r = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                 r["peak_mib"] = mem.peak
@@ -622,7 +626,8 @@ def main():
                             # a new seed per prompt: ComfyUI would answer an identical prompt from its cache
                             r = run_prompt(url, graph(case, a.profile_steps, a.res, 99 + 5 * ci + ki, os.path.basename(a.weights),
                                                       os.path.basename(vae_path),
-                                                      tuple(int(v) for v in a.cond_dims.split(","))), a.prompt_timeout)
+                                                      tuple(int(v) for v in a.cond_dims.split(",")), prefix="prof_",
+                                                      stock_vae=a.stock_vae), a.prompt_timeout)
                         except Exception as e:
                             r = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                         print(f"[bench] profile {kind} {case}: {r}", flush=True)
