@@ -5,7 +5,8 @@ A tiny kernel with the argument pattern of the pack's row kernels (five 2-D tens
 float32) is launched N times back to back; the GPU work is a few microseconds, so the loop's wall
 time per launch is the host cost.  Routes:
   numba       ``kernel[grid, block, stream](*arrays)`` (numba's dispatcher, arguments typed per call)
-  launcher    the pack's ``intrinsics.Launcher`` (parameters built from the tensors, cuda.core launch)
+  launcher    the pack's ``intrinsics.Launcher`` (parameters from the tensors; its prepared launch)
+  launcher/core  the same with ``PREPARED`` off (cuda.core's launch, the route before)
   params      the launcher's parameter building alone (no launch)
   cuda.core   cuda.core's ``launch`` on parameters built once (the launch alone)
   prepared    parameters packed into one preallocated buffer (``struct.pack_into``) and
@@ -66,8 +67,17 @@ def main():
     torch.cuda.synchronize()
     assert torch.allclose(out, ref), "launcher result"
 
-    # the launcher's compiled handle, parameters as it builds them
-    handle = next(h for h in la._fast.values() if h)
+    assert type(next(h for h in la._fast.values() if h)).__name__ == "_Prepared", "the launcher's default: prepared"
+    ik.PREPARED = False  # the same launcher through cuda.core's launch (the route before prepared launches)
+    la_core = ik.Launcher(make_kernel)
+    out.zero_()
+    la_core(grid, block, *args)
+    torch.cuda.synchronize()
+    ik.PREPARED = True
+    assert torch.allclose(out, ref), "launcher (cuda.core) result"
+
+    # the compiled handle, parameters as the cuda.core route builds them
+    handle = next(h for h in la_core._fast.values() if h)
     kern = la.dispatcher().compile(ik.signature(args))
     cufunc = kern._codelibrary.get_cufunc()
 
@@ -141,6 +151,7 @@ def main():
     routes = {
         "numba": lambda: numba_launch(),
         "launcher": lambda: la(grid, block, *args),
+        "launcher/core": lambda: la_core(grid, block, *args),
         "params": lambda: params_of(args),
         "cuda.core": lambda: ik._cuda_launch(runtime.stream(), cfg, handle, *fixed),
         "prepared": lambda: prepared(*args),
@@ -162,7 +173,7 @@ def main():
         rows.append((name, min(best), sorted(best)[1]))
     print(f"\nhost us per launch ({a.n} back to back, best / median of 3), {torch.cuda.get_device_name()}")
     for name, b, m in rows:
-        print(f"{name:10} {b:7.2f} {m:7.2f}")
+        print(f"{name:14} {b:7.2f} {m:7.2f}")
 
 
 if __name__ == "__main__":

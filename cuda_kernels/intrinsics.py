@@ -637,8 +637,10 @@ class Launcher:
     GPU fast path: on the first call for a given (dtype, ndim) argument pattern the kernel is
     compiled explicitly for layout-'A' arrays (``dispatcher.compile``: the on-disk cache is
     used), and every launch then builds the kernel parameters straight from the tensors'
-    data_ptr/shape/strides -- no ``as_cuda_array``, no argument typing -- and calls the same
-    ``cuda.core`` launch numba itself uses, on ``runtime.stream()`` (CUDA-graph capturable).
+    data_ptr/shape/strides -- no ``as_cuda_array``, no argument typing -- packs them into the
+    signature's preallocated buffer and calls ``cuLaunchKernel`` (``_Prepared``; cuda.core's launch,
+    the one numba uses, where that is unavailable or from another thread) on torch's current stream
+    (CUDA-graph capturable).
     Any failure there disables the fast path (logged) and the ordinary numba launch
     (``kernel[grid, block, stream](*arrays)``, also what the simulator uses) takes over
     (benchmarks compare the two by setting ``_FAST_OK``).
@@ -684,9 +686,14 @@ class Launcher:
             if handle is None:
                 handle = fast[key] = self._compile_fast(args)
             if handle is not False:
+                if type(handle) is _Prepared and handle.owner == _get_ident():
+                    handle.launch(grid, block, args)
+                    return
                 cfg = self._cfg.get((grid, block))
                 if cfg is None:
                     cfg = self._cfg[(grid, block)] = _launch_config(grid, block)
+                if type(handle) is _Prepared:
+                    handle = handle.kernel
                 params = []
                 for a in args:
                     if isinstance(a, torch.Tensor):
@@ -761,7 +768,15 @@ class Launcher:
             kern = self.compile(signature(args))
             if getattr(kern, "cooperative", False):
                 raise TypeError("cooperative kernel")
-            return kern._codelibrary.get_cufunc().kernel
+            cufunc = kern._codelibrary.get_cufunc()
+            if PREPARED and _DRV is not None:
+                try:
+                    return _Prepared(cufunc, args)
+                except Exception as e:  # pragma: no cover - GPU only
+                    import logging
+                    logging.getLogger("flux_numba").info("[flux_numba] prepared launch unavailable (%s: %s); "
+                                                         "cuda.core's launch is used", type(e).__name__, e)
+            return cufunc.kernel
         except Exception as e:  # pragma: no cover - GPU only
             import logging
             logging.getLogger("flux_numba").warning("[flux_numba] fast launch disabled (%s: %s); "
@@ -885,8 +900,79 @@ if SIMULATOR and NUMBA_OK:
     except Exception:  # pragma: no cover - simulator internals moved: keep the original
         pass
 
+# Prepared launches (GPU): each (kernel, argument pattern) packs its parameters into one preallocated
+# buffer with a precompiled ``struct`` layout and calls ``cuLaunchKernel`` (cuda.bindings) with a fixed
+# ``void**`` array -- no per-launch argument objects.  Benchmarks compare it with cuda.core's launch by
+# setting ``PREPARED`` (bench/gpu_launch_cost.py).
+PREPARED = True
+_DRV = None
+_get_ident = _threading.get_ident
+
+
+class _Prepared:
+    """A compiled kernel's prepared launch for one argument pattern (tensors by dtype / ndim, ints,
+    float32 scalars), used by the thread that made it (another thread takes cuda.core's launch: the
+    buffer is never shared between threads)."""
+
+    __slots__ = ("kernel", "fn", "st", "buf", "ptrs", "addr", "owner", "dims")
+
+    def __init__(self, cufunc, args):
+        import ctypes
+        import struct
+        self.kernel = cufunc.kernel  # cuda.core's launch handle (other threads)
+        h = cufunc.handle
+        if isinstance(h, _DRV.CUkernel):  # context-independent kernel: this context's function
+            err, h = _DRV.cuKernelGetFunction(h)
+            if err != _DRV.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuKernelGetFunction: {err}")
+        self.fn = h
+        fmt = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                fmt.append("q" * (5 + 2 * a.dim()))  # numba's array ABI: meminfo, parent, nitems, itemsize, data, shape, strides
+            elif type(a) is int:
+                fmt.append("q")
+            else:
+                fmt.append("f4x")  # float32, in its own 8-byte slot
+        self.st = struct.Struct("<" + "".join(fmt))
+        n = self.st.size // 8
+        self.buf = ctypes.create_string_buffer(self.st.size)
+        base = ctypes.addressof(self.buf)
+        self.ptrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
+        self.addr = ctypes.addressof(self.ptrs)
+        self.owner = _get_ident()
+        self.dims = {}
+
+    def launch(self, grid, block, args):
+        d = self.dims.get((grid, block))
+        if d is None:
+            g = tuple(grid) + (1, 1) if isinstance(grid, tuple) else (grid, 1, 1)
+            b = tuple(block) + (1, 1) if isinstance(block, tuple) else (block, 1, 1)
+            if len(self.dims) > 256:
+                self.dims.clear()
+            d = self.dims[(grid, block)] = g[:3] + b[:3]
+        vals = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                es = a.element_size()
+                vals += (0, 0, a.numel(), es, a.data_ptr())
+                vals += a.shape
+                vals += [st * es for st in a.stride()]
+            else:
+                vals.append(a)
+        self.st.pack_into(self.buf, 0, *vals)
+        err, = _DRV.cuLaunchKernel(self.fn, d[0], d[1], d[2], d[3], d[4], d[5], 0,
+                                   _DRV.CUstream(runtime._raw_stream()), self.addr, 0)
+        if err != _DRV.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel: {err}")
+
+
 _FAST_OK = False
 if NUMBA_OK and not SIMULATOR:
+    try:
+        from cuda.bindings import driver as _DRV
+    except Exception:  # pragma: no cover - no cuda.bindings: cuda.core's launch
+        _DRV = None
     try:
         from ctypes import c_float as _c_float
 
