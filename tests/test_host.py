@@ -537,6 +537,49 @@ def test_fast_profile_uses_fp8_stored_weights_as_they_are(comfy, monkeypatch):
     assert rel_err(got, stock) < 0.1, rel_err(got, stock)
 
 
+def test_fast_profile_uses_fp8_model_dtype_of_dynamic_weights(comfy, monkeypatch):
+    """DynamicVRAM keeps a weight the file has in bf16 as fp8 on the GPU when the model dtype is fp8
+    (UNETLoader fp8_e4m3fn on a bf16 checkpoint: the CPU tensor stays bf16, ``_model_dtype`` is fp8, the
+    staging hands out fp8).  The fast profile takes that staged fp8 weight as it is: no bf16 cast by
+    ComfyUI, nothing re-quantised by the pack."""
+    import comfy.ops
+    from flux_numba_pack.flux_core import fast
+    from flux_numba_pack.nodes.host import ComfyWeights, fp8_stored_block
+    if fast.support("cpu"):
+        pytest.skip(fast.support("cpu"))
+    mp = _fp8_stored_patcher(comfy)
+    dm = mp.model.diffusion_model
+    staged = {}
+    for lin in [m for m in dm.modules() if isinstance(m, torch.nn.Linear)]:
+        f8 = lin.weight.data
+        lin.weight = torch.nn.Parameter(f8.to(torch.bfloat16), requires_grad=False)  # as the file has it
+        lin.weight._model_dtype = torch.float8_e4m3fn                                # as DynamicVRAM stages it
+        staged[id(lin)] = f8
+    real = comfy.ops.cast_bias_weight
+    asked = []
+
+    def dyn_cast(s, input=None, dtype=None, device=None, bias_dtype=None, offloadable=False, **kw):
+        if id(s) not in staged:
+            return real(s, input, dtype=dtype, device=device, bias_dtype=bias_dtype, offloadable=offloadable, **kw)
+        asked.append(dtype)
+        dtype = dtype or input.dtype
+        w = staged[id(s)] if dtype == torch.float8_e4m3fn else staged[id(s)].to(dtype)
+        b = s.bias.to(bias_dtype or dtype) if s.bias is not None else None
+        return (w, b, (None, None, None)) if offloadable else (w, b)
+    monkeypatch.setattr(comfy.ops, "cast_bias_weight", dyn_cast)
+    blk = dm.double_blocks[0]
+    assert fp8_stored_block("double", blk)
+    x = torch.zeros(1, 4, blk.hidden_size)
+    wq, b, scale = ComfyWeights().linear_fp8(blk.img_attn.qkv, x)
+    assert wq is staged[id(blk.img_attn.qkv)] and scale is None
+    quantised, operands, _ = _spy_fp8(monkeypatch)
+    stock, got = _stock_and_fast(mp)
+    assert operands and not quantised
+    assert all(w.dtype == torch.float8_e4m3fn for w in operands)
+    assert torch.float8_e4m3fn in asked
+    assert rel_err(got, stock) < 0.1, rel_err(got, stock)
+
+
 def test_graph_blockers_allow_resident_casts_only(comfy):
     """fp8-stored weights (manual_cast ops, cast per call from resident weights) do not block a CUDA
     graph; a weight function (on-the-fly LoRA / low-VRAM patch) does."""

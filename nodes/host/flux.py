@@ -78,6 +78,13 @@ def _plain_tensor(t) -> bool:
     return t is None or type(t.data) is torch.Tensor
 
 
+def _stored_dtype(t):
+    """The dtype ComfyUI keeps a weight in on the GPU: DynamicVRAM stages a parameter in its model dtype
+    (``_model_dtype``, e.g. fp8 e4m3 for UNETLoader's weight_dtype fp8_e4m3fn) while the tensor the
+    module holds on the CPU stays as the file has it (bf16 for a bf16 checkpoint loaded as fp8)."""
+    return getattr(t, "_model_dtype", None) or getattr(t, "dtype", None)
+
+
 def _is_tensor(t) -> bool:
     """A plain tensor or Parameter (not a QuantizedTensor or other subclass) -- what a cast returned."""
     return type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)
@@ -179,7 +186,7 @@ def fp8_stored_block(kind, blk) -> bool:
     per-tensor-scaled checkpoint -- so the fast profile uses them as they are (nothing re-quantised)."""
     from ...flux_core import fast
     try:
-        return _FP8 is not None and all(_scaled_fp8_linear(lin) or getattr(getattr(lin, "weight", None), "dtype", None) == _FP8
+        return _FP8 is not None and all(_scaled_fp8_linear(lin) or _stored_dtype(getattr(lin, "weight", None)) == _FP8
                                         for lin in fast.block_linears(kind, blk))
     except Exception:
         return False
@@ -251,10 +258,10 @@ class ComfyWeights(Weights):
             if q is None:
                 return None
             return q[0], b, q[1]
-        if not _plain_linear_op(lin) or lin.weight.dtype != _FP8:
+        if not _plain_linear_op(lin) or _stored_dtype(lin.weight) != _FP8:
             return None
         w = lin.weight
-        if _casts_per_call(lin) or w.device != x.device:
+        if _casts_per_call(lin) or w.device != x.device or w.dtype != _FP8:
             wq, b, state = comfy.ops.cast_bias_weight(lin, None, dtype=_FP8, device=x.device, bias_dtype=x.dtype,
                                                       offloadable=True)
             self._staged.append((lin, wq, b, state))
