@@ -10,6 +10,8 @@
 #   srvmatrix               the #23 server matrix (CASES, FLAGS env: see below)
 #   bench                   bench.py step times (v0.8.0's Flux module) for every variant of VARIANTS
 #   vae                     bench/gpu_vae.py --decoder-only (v0.8.0 and v0.33.0)
+#   servers                 one server per SERVERS entry (TAG|TREE|FLAGS|CASES|REPEAT|EXTRA ARGS;...)
+#   launch                  bench/gpu_launch_cost.py (host us per kernel launch by route)
 set -u
 OUT=${OUT:-/tmp/out}
 . bench/gpu_setup.sh > "$OUT/setup.txt" 2>&1; set +e
@@ -35,6 +37,19 @@ for part in ${PARTS:-server033 bench vae}; do
         --repeat ${MAT2_REP:-3} --interleave ${MAT2_ARGS:-} --json "$R/matrix_${MAT2_TAG:-y}.json" --logs "$R/logs_matrix_${MAT2_TAG:-y}" \
         ${MAT2_PROF:+--profile "$R/prof_matrix_${MAT2_TAG:-y}" --profile-kinds $MAT2_PROF} \
         > "$R/matrix_${MAT2_TAG:-y}.txt" 2>&1;;
+    servers)  # SERVERS="TAG|TREE(033/080)|FLAGS|CASES|REPEAT|EXTRA ARGS;..." -- one server per entry, each under SRVS_T s
+      IFS=';' read -ra specs <<< "${SERVERS:-}"
+      for spec in "${specs[@]}"; do
+        IFS='|' read -r tag tv flag cases rep extra <<< "$spec"
+        tree=$COMFY033; [ "$tv" = 080 ] && tree=$COMFY080
+        t1=$(date +%s)
+        timeout ${SRVS_T:-200} $S --comfy "$tree" --flags="$flag" --cases "$cases" --repeat "${rep:-2}" --interleave $extra \
+          --json "$R/srv_$tag.json" --logs "$R/logs_srv_$tag" > "$R/srv_$tag.txt" 2>&1
+        echo "  server $tag rc=$? $(( $(date +%s) - t1 )) s" >> "$R/parts.txt"
+        tar -czf "$OUT/results.tgz" -C "$OUT" r setup.txt
+      done;;
+    launch)
+      timeout ${LAUNCH_T:-60} python3 bench/gpu_launch_cost.py --n ${LAUNCH_N:-20000} > "$R/launch.txt" 2>&1;;
     bench)
       COMFYUI_PATH=$COMFY080 timeout ${BENCH_T:-220} python3 bench.py \
         --variants ${VARIANTS:-stock,exact,exact+graph,fast,fast+graph,fast-cached,fast-cached+graph,attn8} \
