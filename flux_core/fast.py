@@ -114,6 +114,10 @@ class Fp8Weights:
         self._cache.clear()
         return n
 
+    def nbytes(self) -> int:
+        """Device bytes the kept fp8 copies hold (weights and their scales)."""
+        return sum(e[2].numel() * e[2].element_size() + e[3].numel() * e[3].element_size() for e in self._cache.values())
+
     def get(self, lin, w, b, epoch=None):
         if not self.keep:  # transient: the quantising rows kernel, one row per output channel
             q, s = ops.quantize_fp8(w.detach())

@@ -153,3 +153,46 @@ def test_freeing_fp8_copies_drops_the_graphs_that_read_them():
     finally:
         for r in (cached, exact):
             P._REUSE.pop(P._reuse_key(model, r.opts), None)
+
+
+def test_fp8_copies_stay_while_their_gpu_has_room(monkeypatch):
+    """Another patch of the model keeps the fast-cached copies where their GPU has at least
+    ``FP8_KEEP_FREE_SHARE`` of its memory free (a switch back replays at once), and frees them below
+    that, off a CUDA device, or when the driver cannot say."""
+    import weakref
+
+    from flux_numba_pack.flux_core import fast
+    from flux_numba_pack.nodes import runner as P
+    from flux_numba_pack.nodes.patch import options
+
+    class Model:
+        pass
+    model = Model()
+    cached = P._Runner(options(profile="fast-cached"), weakref.ref(model), 903)
+    exact = P._Runner(options(profile="exact"), weakref.ref(model), 904)
+    f8 = fast.Fp8Weights(keep=True)
+    lin = torch.nn.Linear(16, 8)
+    f8._cache[id(lin)] = (weakref.ref(lin), ("k",), torch.zeros(8, 16), torch.ones(8))
+    assert f8.nbytes() == 8 * 16 * 4 + 8 * 4
+    cached._fp8["cuda:0"] = f8
+    for r in (cached, exact):
+        P._REUSE[P._reuse_key(model, r.opts)] = r
+    mem = {"free": 60, "total": 100}
+
+    def info(dev):
+        if mem.get("raise"):
+            raise RuntimeError("no driver")
+        return mem["free"], mem["total"]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", info)
+    try:
+        P._release_fp8_copies(model, exact)
+        assert f8._cache, "60% free: kept"
+        mem["raise"] = True
+        assert not cached.fp8_room()
+        mem.pop("raise")
+        mem["free"] = 20
+        P._release_fp8_copies(model, exact)
+        assert not f8._cache, "20% free: freed"
+    finally:
+        for r in (cached, exact):
+            P._REUSE.pop(P._reuse_key(model, r.opts), None)
