@@ -82,18 +82,7 @@ def main():
     cufunc = kern._codelibrary.get_cufunc()
 
     def params_of(args):
-        ps = []
-        for x in args:
-            if isinstance(x, torch.Tensor):
-                es = x.element_size()
-                ps += (0, 0, x.numel(), es, x.data_ptr())
-                ps += x.shape
-                ps += [s * es for s in x.stride()]
-            elif type(x) is int:
-                ps.append(x)
-            else:
-                ps.append(ctypes.c_float(x))
-        return ps
+        return ik._param_values(args, ctypes.c_float)
     cfg = ik._launch_config(grid, block)
     fixed = params_of(args)
 
@@ -113,22 +102,8 @@ def main():
         assert err == drv.CUresult.CUDA_SUCCESS, err
     ptrs_addr = ctypes.addressof(ptrs)
 
-    def vals_of(args):
-        vs = []
-        for x in args:
-            if isinstance(x, torch.Tensor):
-                es = x.element_size()
-                vs += (0, 0, x.numel(), es, x.data_ptr())
-                vs += x.shape
-                vs += [s * es for s in x.stride()]
-            elif type(x) is int:
-                vs.append(x)
-            else:
-                vs.append(float(x))
-        return vs
-
     def prepared(*args):
-        st.pack_into(buf, 0, *vals_of(args))
+        st.pack_into(buf, 0, *ik._param_values(args, float))
         err, = drv.cuLaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, drv.CUstream(runtime._raw_stream()), ptrs_addr, 0)
         if err != drv.CUresult.CUDA_SUCCESS:
             raise RuntimeError(err)

@@ -694,18 +694,7 @@ class Launcher:
                     cfg = self._cfg[(grid, block)] = _launch_config(grid, block)
                 if type(handle) is _Prepared:
                     handle = handle.kernel
-                params = []
-                for a in args:
-                    if isinstance(a, torch.Tensor):
-                        es = a.element_size()
-                        params += (0, 0, a.numel(), es, a.data_ptr())
-                        params += a.shape
-                        params += [st * es for st in a.stride()]
-                    elif type(a) is int:
-                        params.append(a)  # int64 (intptr-sized, as numba passes shapes)
-                    else:
-                        params.append(_c_float(a))
-                _cuda_launch(runtime.stream(), cfg, handle, *params)
+                _cuda_launch(runtime.stream(), cfg, handle, *_param_values(args, _c_float))
                 return
         st = runtime.stream()
         key = (grid, block, st)
@@ -909,6 +898,24 @@ _DRV = None
 _get_ident = _threading.get_ident
 
 
+def _param_values(args, as_float):
+    """A launch's kernel parameters in numba's ABI: per tensor (meminfo 0, parent 0, nitems, itemsize,
+    data pointer, shape..., byte strides...), ints as int64 (intptr-sized, as numba passes shapes),
+    anything else as a float32 through ``as_float``."""
+    vals = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            es = a.element_size()
+            vals += (0, 0, a.numel(), es, a.data_ptr())
+            vals += a.shape
+            vals += [st * es for st in a.stride()]
+        elif type(a) is int:
+            vals.append(a)
+        else:
+            vals.append(as_float(a))
+    return vals
+
+
 class _Prepared:
     """A compiled kernel's prepared launch for one argument pattern (tensors by dtype / ndim, ints,
     float32 scalars), used by the thread that made it (another thread takes cuda.core's launch: the
@@ -951,16 +958,7 @@ class _Prepared:
             if len(self.dims) > 256:
                 self.dims.clear()
             d = self.dims[(grid, block)] = g[:3] + b[:3]
-        vals = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                es = a.element_size()
-                vals += (0, 0, a.numel(), es, a.data_ptr())
-                vals += a.shape
-                vals += [st * es for st in a.stride()]
-            else:
-                vals.append(a)
-        self.st.pack_into(self.buf, 0, *vals)
+        self.st.pack_into(self.buf, 0, *_param_values(args, float))
         err, = _DRV.cuLaunchKernel(self.fn, d[0], d[1], d[2], d[3], d[4], d[5], 0,
                                    _DRV.CUstream(runtime._raw_stream()), self.addr, 0)
         if err != _DRV.CUresult.CUDA_SUCCESS:

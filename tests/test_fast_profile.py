@@ -4,7 +4,10 @@ On the CPU the quantising ops run their torch references and torch's CPU ``_scal
 GEMMs, so this checks the wiring and the weight cache, not speed: the fp8 forward stays within
 fp8 error of the bf16-exact one, every block GEMM went through fp8, and a changed weight is
 re-quantised alone.  GPU: bench.py's ``fast`` variant, bench/gpu_fp8.py."""
+import contextlib
+
 import pytest
+
 import torch
 
 from flux_numba_pack.flux_core import BlockContext, FluxModel, tiny_state_dict
@@ -112,19 +115,41 @@ def test_support_reasons():
         assert (fast.support("cuda") is None) == (cc >= (9, 0))
 
 
-def test_freeing_fp8_copies_drops_the_graphs_that_read_them():
-    """A fast-cached runner's kept fp8 weights are freed when another patch of the model runs
-    (``_release_fp8_copies``); its CUDA graphs were captured over those copies, so they must go too
-    -- a replay after the free read freed memory (an illegal address that took a v0.33 server down
-    when stock / exact / fast-cached prompts alternated)."""
+class _Model:
+    pass
+
+
+@contextlib.contextmanager
+def _kept_copy(device, ids):
+    """(model, fast-cached runner, exact runner, its kept Fp8Weights holding one weight on ``device``),
+    both runners registered for reuse (as patching the model twice leaves them), unregistered after."""
     import weakref
 
     from flux_numba_pack.flux_core import fast
     from flux_numba_pack.nodes import runner as P
     from flux_numba_pack.nodes.patch import options
+    model = _Model()
+    cached = P._Runner(options(profile="fast-cached"), weakref.ref(model), ids[0])
+    exact = P._Runner(options(profile="exact"), weakref.ref(model), ids[1])
+    f8 = fast.Fp8Weights(keep=True)
+    lin = torch.nn.Linear(16, 8)
+    f8._cache[id(lin)] = (weakref.ref(lin), ("k",), torch.zeros(8, 16), torch.ones(8))
+    cached._fp8[device] = f8
+    for r in (cached, exact):
+        P._REUSE[P._reuse_key(model, r.opts)] = r
+    try:
+        yield model, cached, exact, f8
+    finally:
+        for r in (cached, exact):
+            P._REUSE.pop(P._reuse_key(model, r.opts), None)
 
-    class Model:
-        pass
+
+def test_freeing_fp8_copies_drops_the_graphs_that_read_them():
+    """A fast-cached runner's kept fp8 weights are freed when another patch of the model runs
+    (``_release_fp8_copies``); its CUDA graphs were captured over those copies, so they must go too
+    -- a replay after the free read freed memory (an illegal address that took a v0.33 server down
+    when stock / exact / fast-cached prompts alternated)."""
+    from flux_numba_pack.nodes import runner as P
 
     class Dropped:
         def __init__(self):
@@ -133,50 +158,21 @@ def test_freeing_fp8_copies_drops_the_graphs_that_read_them():
         def drop(self, why=""):
             self.why.append(why)
 
-    model = Model()
-    cached = P._Runner(options(profile="fast-cached"), weakref.ref(model), 901)
-    exact = P._Runner(options(profile="exact"), weakref.ref(model), 902)
-    f8 = fast.Fp8Weights(keep=True)
-    lin = torch.nn.Linear(16, 8)
-    f8._cache[id(lin)] = (weakref.ref(lin), ("k",), torch.zeros(8, 16), torch.ones(8))
-    cached._fp8["cpu"] = f8
-    cached.graphs, cached.whole = Dropped(), Dropped()
-    for r in (cached, exact):
-        P._REUSE[P._reuse_key(model, r.opts)] = r
-    try:
+    with _kept_copy("cpu", (901, 902)) as (model, cached, exact, f8):
+        cached.graphs, cached.whole = Dropped(), Dropped()
         P._release_fp8_copies(model, exact)
         assert not f8._cache
         assert cached.graphs.why and "fp8" in cached.graphs.why[0] and cached.whole.why == [""]
         cached.graphs, cached.whole = Dropped(), Dropped()
         P._release_fp8_copies(model, exact)  # nothing kept any more: the graphs stay
         assert not cached.graphs.why and not cached.whole.why
-    finally:
-        for r in (cached, exact):
-            P._REUSE.pop(P._reuse_key(model, r.opts), None)
 
 
 def test_fp8_copies_stay_while_their_gpu_has_room(monkeypatch):
     """Another patch of the model keeps the fast-cached copies where their GPU has at least
     ``FP8_KEEP_FREE_SHARE`` of its memory free (a switch back replays at once), and frees them below
     that, off a CUDA device, or when the driver cannot say."""
-    import weakref
-
-    from flux_numba_pack.flux_core import fast
     from flux_numba_pack.nodes import runner as P
-    from flux_numba_pack.nodes.patch import options
-
-    class Model:
-        pass
-    model = Model()
-    cached = P._Runner(options(profile="fast-cached"), weakref.ref(model), 903)
-    exact = P._Runner(options(profile="exact"), weakref.ref(model), 904)
-    f8 = fast.Fp8Weights(keep=True)
-    lin = torch.nn.Linear(16, 8)
-    f8._cache[id(lin)] = (weakref.ref(lin), ("k",), torch.zeros(8, 16), torch.ones(8))
-    assert f8.nbytes() == 8 * 16 * 4 + 8 * 4
-    cached._fp8["cuda:0"] = f8
-    for r in (cached, exact):
-        P._REUSE[P._reuse_key(model, r.opts)] = r
     mem = {"free": 60, "total": 100}
 
     def info(dev):
@@ -184,15 +180,13 @@ def test_fp8_copies_stay_while_their_gpu_has_room(monkeypatch):
             raise RuntimeError("no driver")
         return mem["free"], mem["total"]
     monkeypatch.setattr(torch.cuda, "mem_get_info", info)
-    try:
+    with _kept_copy("cuda:0", (903, 904)) as (model, cached, exact, f8):
+        assert f8.nbytes() == 8 * 16 * 4 + 8 * 4
         P._release_fp8_copies(model, exact)
         assert f8._cache, "60% free: kept"
         mem["raise"] = True
         assert not cached.fp8_room()
-        mem.pop("raise")
+        del mem["raise"]
         mem["free"] = 20
         P._release_fp8_copies(model, exact)
         assert not f8._cache, "20% free: freed"
-    finally:
-        for r in (cached, exact):
-            P._REUSE.pop(P._reuse_key(model, r.opts), None)
