@@ -967,9 +967,9 @@ class _Prepared:
 
 _FAST_OK = False
 if NUMBA_OK and not SIMULATOR:
-    try:
-        from cuda.bindings import driver as _DRV
-    except Exception:  # pragma: no cover - no cuda.bindings: cuda.core's launch
+    try:  # cuda.bindings' driver module, as numba-cuda itself imports it (no dependency of our own)
+        from numba.cuda.cudadrv.driver import binding as _DRV
+    except Exception:  # pragma: no cover - numba-cuda moved it: cuda.core's launch
         _DRV = None
     try:
         from ctypes import c_float as _c_float
