@@ -34,6 +34,10 @@ block call goes through ``flux_core.block_graphs.BlockGraphs`` with the host's r
 (``host.block_residency``): replayed while its weights stay put, eager otherwise.  A re-executed
 patch node with the same model and options reuses its runner (``_REUSE``), graphs included.
 
+Sampling: the patched model moves its processed conditioning to the GPU once per sampling run
+(``host.install_conds_on_device``): ComfyUI copies it from the CPU every step, and a copy from
+pageable memory waits for the GPU, which then idles through the next step's host work.
+
 Pass-through: with no usable CUDA GPU / numba the node logs why and returns the clone unpatched,
 unless backend is "torch" (the A/B baseline) or ``SIMULATOR_OK`` is set (CPU tests: the kernels in Numba's
 simulator).
