@@ -278,6 +278,35 @@ class OpRegistry:
 
     __call__ = call
 
+    # ------------------------------------------------------------------ usage of calls made elsewhere
+    def count(self, op_name: str, backend: str, n: int = 1):
+        """Record ``n`` calls of ``op_name`` that ran ``backend`` outside ``call`` (a host's own
+        attention function chosen for the op)."""
+        self.usage[(op_name, backend)] += n
+        self.last[op_name] = backend
+
+    @contextlib.contextmanager
+    def recorded(self, keep: bool = False):
+        """The calls made inside, as a Counter {(op, backend): calls} filled on exit (also on an
+        exception).  ``keep=False``: they are taken back out of ``usage`` (a CUDA graph capture whose
+        replays count them, ``replayed``)."""
+        before = self.usage.copy()
+        rec = Counter()
+        try:
+            yield rec
+        finally:
+            diff = self.usage.copy()
+            diff.subtract(before)
+            rec.update(+diff)
+            if not keep:
+                self.usage.clear()
+                self.usage.update(before)
+
+    def replayed(self, usage):
+        """Count a recorded set of calls again (a CUDA graph replay)."""
+        if usage:
+            self.usage.update(usage)
+
     # ------------------------------------------------------------------ autotune
     @staticmethod
     def shape_key(args, kwargs, strict=False):

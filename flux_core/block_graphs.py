@@ -202,8 +202,7 @@ class BlockGraphs:
             if e.weights == weights:
                 e.bufs.load(inputs)
                 e.graph.replay()
-                if e.usage:
-                    registry.usage.update(e.usage)
+                registry.replayed(e.usage)
                 self.counts["replay"] += 1
                 return e.bufs.outputs(outputs)
             del self.entries[key]  # weights moved / changed: stale
@@ -227,7 +226,6 @@ class BlockGraphs:
     def _capture(self, key, stage, weights, inputs, core, eager, outputs, prepare):
         bufs = self._buffers(stage, inputs)
         bufs.load(inputs)
-        before = registry.usage.copy()
 
         def body():
             out = core(**bufs.t)
@@ -235,8 +233,8 @@ class BlockGraphs:
                 t = out[n]
                 if t is not bufs.t[n]:
                     bufs.t[n].copy_(t)
-        try:
-            with (prepare() if prepare is not None else contextlib.nullcontext()):
+        try:  # (the calls made while capturing are counted on each replay, not here)
+            with registry.recorded() as usage, (prepare() if prepare is not None else contextlib.nullcontext()):
                 graph = self.capture_fn(body)
         except Exception as e:
             if is_interrupt(e):
@@ -245,19 +243,12 @@ class BlockGraphs:
             self.failed[key] = why
             self.counts["failed"] += 1
             self.note(("failed", why), "per-block CUDA graph capture failed (%s); that block runs eagerly", why)
-            registry.usage.clear()
-            registry.usage.update(before)
             return eager()
-        usage = registry.usage.copy()
-        usage.subtract(before)
-        registry.usage.clear()
-        registry.usage.update(before)
-        e = self.entries[key] = _Entry(graph, weights, bufs, +usage)
+        e = self.entries[key] = _Entry(graph, weights, bufs, usage)
         self.counts["capture"] += 1
         self.note(("captured", stage), "per-block CUDA graphs: captured a %s block (weights resident); replayed "
                   "from now on while they stay resident", stage)
         graph.replay()
-        if e.usage:
-            registry.usage.update(e.usage)
+        registry.replayed(e.usage)
         return bufs.outputs(outputs)
 

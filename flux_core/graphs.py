@@ -32,7 +32,7 @@ import contextlib
 import logging
 import threading
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -164,7 +164,7 @@ class GraphedForward:
         for s, x in zip(e.static_in, xs):
             s.copy_(x)
         e.graph.replay()
-        registry.usage.update(e.usage)
+        registry.replayed(e.usage)
         self.replays += 1
         return e.static_out.clone()
 
@@ -173,15 +173,12 @@ class GraphedForward:
         g = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        before = registry.usage.copy()
-        with _allocator_notes_silenced(), no_host_syncs():
+        with registry.recorded(keep=True) as usage, _allocator_notes_silenced(), no_host_syncs():
             with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
                 static_out = self.fn(*static_in)
-        usage = registry.usage.copy()
-        usage.subtract(before)
         self.captures += 1
         log.info("[flux_numba] captured a CUDA graph for input shapes %s", [tuple(x.shape) for x in xs])
-        return _Entry(g, static_in, static_out, wk, +usage)
+        return _Entry(g, static_in, static_out, wk, usage)
 
 
 def is_oom(e: BaseException) -> bool:

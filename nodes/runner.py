@@ -350,8 +350,7 @@ class _Runner:
 
         def comfy_attention(q, k, v, mask):
             oa = flux_attention()  # exactly what stock FLUX calls, looked up per call
-            registry.usage[(ATTENTION_OP, "comfy")] += 1
-            registry.last[ATTENTION_OP] = "comfy"
+            registry.count(ATTENTION_OP, "comfy")
             return oa(q, k, v, q.shape[1], skip_reshape=True, mask=mask, transformer_options=topts)
 
         if attention_override(topts) is not None:
@@ -365,8 +364,7 @@ class _Runner:
                       "blocks' attention runs it, as stock does (logged once)", getattr(own, "__name__", type(own).__name__))
 
             def checkpoint_attention(q, k, v, mask):
-                registry.usage[(ATTENTION_OP, "checkpoint")] += 1
-                registry.last[ATTENTION_OP] = "checkpoint"
+                registry.count(ATTENTION_OP, "checkpoint")
                 return own(q, k, v, q.shape[1], skip_reshape=True, mask=mask, transformer_options=topts)
             return checkpoint_attention
         if route == "comfy" or (choice in SDPA_BACKENDS and not self.sdpa_direct()):
@@ -380,8 +378,7 @@ class _Runner:
             self.attn_choice[sig] = b.name
             if b.name in SDPA_BACKENDS and not self.sdpa_direct():
                 return comfy_attention(q, k, v, mask)
-            registry.usage[(ATTENTION_OP, b.name)] += 1
-            registry.last[ATTENTION_OP] = b.name
+            registry.count(ATTENTION_OP, b.name)
             return b.fn(q, k, v, mask)
         return auto_attention
 

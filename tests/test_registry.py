@@ -255,3 +255,29 @@ def test_pending_backend_runs_the_reference_until_built():
     assert r.settled()
     r.call("double", x)
     assert r.last["double"] == "fast"
+
+
+def test_usage_of_calls_made_elsewhere():
+    """The registry's API for calls it did not dispatch: ``count`` (a host's attention function),
+    ``recorded`` (the calls inside a block, taken back out unless kept: a graph capture, also when it
+    raises) and ``replayed`` (a recorded set counted again on each replay)."""
+    from flux_numba_pack.cuda_kernels.registry import OpRegistry
+    r = OpRegistry()
+    r.register("op", lambda x: x + 1)
+    r.count("attention", "comfy")
+    assert r.usage[("attention", "comfy")] == 1 and r.last["attention"] == "comfy"
+    with r.recorded() as rec:
+        r.call("op", 1)
+        r.call("op", 2)
+    assert rec == {("op", "torch"): 2} and ("op", "torch") not in r.usage
+    with pytest.raises(RuntimeError):
+        with r.recorded() as rec2:
+            r.call("op", 1)
+            raise RuntimeError("capture failed")
+    assert rec2 == {("op", "torch"): 1} and ("op", "torch") not in r.usage
+    with r.recorded(keep=True) as kept:
+        r.call("op", 1)
+    assert kept == {("op", "torch"): 1} and r.usage[("op", "torch")] == 1
+    r.replayed(rec)
+    r.replayed(None)
+    assert r.usage[("op", "torch")] == 3
