@@ -283,21 +283,22 @@ def make_qk_kernel(VW=2, QUANT=0):
 
 _launchers = {}
 _scale_cache = {}
-_dummy_pe = {}
-_dummy_q = {}
+_placeholders = {}  # device -> (pe, q8, qsc, kmean) stand-ins for arguments a launch does not read
 
 
 def _launcher(VW, QUANT=0):
     return ik.cached_launcher(_launchers, (VW, QUANT), make_qk_kernel, VW, QUANT)
 
 
-def _no_quant(device):
-    """Placeholders for q8 / qsc / kmean where the kernel writes no int8 copy (QUANT 0: not read)."""
-    d = _dummy_q.get(device)
+def _placeholder(device):
+    """(pe, q8, qsc, kmean) stand-ins on ``device`` for arguments a launch does not read: pe when there
+    is none (``has_pe`` 0), the int8 outputs when the kernel writes no int8 copy (QUANT 0)."""
+    d = _placeholders.get(device)
     if d is None:
-        d = _dummy_q[device] = (torch.zeros((1, 1, 1, 1, 1), dtype=torch.int64, device=device),
-                                torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device),
-                                torch.zeros((1, 1, 1), dtype=torch.float32, device=device))
+        d = _placeholders[device] = (torch.zeros((1, 1, 2), dtype=torch.int64, device=device),
+                                     torch.zeros((1, 1, 1, 1, 1), dtype=torch.int64, device=device),
+                                     torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device),
+                                     torch.zeros((1, 1, 1), dtype=torch.float32, device=device))
     return d
 
 
@@ -383,10 +384,7 @@ def _scales(parts, device):
 
 def _pe_arr(pe, D, device):
     if pe is None:
-        d = _dummy_pe.get(device)
-        if d is None:
-            d = _dummy_pe[device] = torch.zeros((1, 1, 2), dtype=torch.int64, device=device)
-        return d
+        return _placeholder(device)[0]
     Bp, Lt = pe.shape[0], pe.shape[2]
     # a free view for the contiguous pe ComfyUI and flux_core make (no cache: pe is new each step,
     # and an inference-mode tensor has no version counter to validate a cached copy with);
@@ -571,7 +569,7 @@ def _launch_quant(a0, a1, sc, pe_w, ow, q, k, B, H, D, L0, Ltot, has_pe, eps, nt
         ntm = min(1024, -(-(S * (D // 8)) // 32) * 32)
         _kmean_launcher()(ik.grid3(H, B, 1), ntm, a0, a1, sc, pe_w, km, L0, Ltot, S, hp, np.float32(eps))
     _launcher(2, 2 if kq else 1)(ik.grid3(Lp, B, nz), nt, a0, a1, sc, pe_w, ow, q8w, qsc, km, L0, hp,
-                                              np.float32(eps))
+                                 np.float32(eps))
     if not kq:
         return Quant8(q, k, q8[0], None, qsc[0].reshape(-1), None, None, Lp, views)
     return Quant8(q, k, q8[0], q8[1], qsc[0].reshape(-1), qsc[1].reshape(-1), km, Lp, views)
@@ -599,7 +597,7 @@ def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6, quant8: boo
                              B, H, D, L0, Ltot, pe is not None, eps, nt, nz, dev, kq=quant8 != "q")
         return q, k, v, pack
     _launcher(VW)(ik.grid3(Ltot, B, nz), nt,
-                  a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow, *_no_quant(dev),
+                  a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow, *_placeholder(dev)[1:],
                   L0, 1 if pe is not None else 0, np.float32(eps))
     if quant8:  # no int8 copy for this layout: attention falls back to its pre-pass
         return out[0], out[1], out[2], None

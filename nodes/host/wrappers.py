@@ -8,21 +8,24 @@ from typing import List, Optional
 log = logging.getLogger("flux_numba")
 
 
+def _install_wrapper(model_patcher, kind: str, key: str, wrapper):
+    """(Re)place the ``WrappersMP.<kind>`` wrapper ``key`` of a (cloned) ModelPatcher with ``wrapper``."""
+    import comfy.patcher_extension as pe
+    kind = getattr(pe.WrappersMP, kind)
+    model_patcher.remove_wrappers_with_key(kind, key)
+    model_patcher.add_wrapper_with_key(kind, key, wrapper)
+
+
 def install_diffusion_wrapper(model_patcher, key: str, wrapper):
     """(Re)place the DIFFUSION_MODEL wrapper ``key`` of a (cloned) ModelPatcher with ``wrapper``."""
-    import comfy.patcher_extension as pe
-    model_patcher.remove_wrappers_with_key(pe.WrappersMP.DIFFUSION_MODEL, key)
-    model_patcher.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, key, wrapper)
+    _install_wrapper(model_patcher, "DIFFUSION_MODEL", key, wrapper)
     return wrapper
 
 
 def install_sampling_wrappers(model_patcher, key: str, outer_sample, apply_model):
     """(Re)place the OUTER_SAMPLE and APPLY_MODEL wrappers ``key`` (the step timer)."""
-    import comfy.patcher_extension as pe
-    model_patcher.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, key)
-    model_patcher.remove_wrappers_with_key(pe.WrappersMP.APPLY_MODEL, key)
-    model_patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, key, outer_sample)
-    model_patcher.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, key, apply_model)
+    _install_wrapper(model_patcher, "OUTER_SAMPLE", key, outer_sample)
+    _install_wrapper(model_patcher, "APPLY_MODEL", key, apply_model)
 
 
 def inner_wrappers(executor) -> Optional[List]:
@@ -127,20 +130,18 @@ def conds_to_device(guider, device) -> int:
             mc = c.get("model_conds") if isinstance(c, dict) else None
             if not isinstance(mc, dict):
                 continue
-            new = dict(mc)
+            new, here = dict(mc), 0
             for k, v in mc.items():
                 m = _cond_to(v, device, memo)
                 if m is not None:
                     new[k] = m
-            if any(new[k] is not mc[k] for k in mc):
-                moved += sum(new[k] is not mc[k] for k in mc)
+                    here += 1
+            if here:
+                moved += here
                 c = dict(c)  # the list's own entry is replaced: nothing shared with the caller is mutated
                 c["model_conds"] = new
                 lst[i] = c
     return moved
-
-
-_CONDS_SEEN = []  # conditions moved per sampling run (the last few; tests read it)
 
 
 def _conds_wrapper(executor, guider, *args, **kwargs):
@@ -148,9 +149,7 @@ def _conds_wrapper(executor, guider, *args, **kwargs):
     try:
         dev = getattr(getattr(guider, "model_patcher", None), "load_device", None)
         if dev is not None and getattr(dev, "type", None) in CONDS_DEVICE_TYPES:
-            n = conds_to_device(guider, dev)
-            _CONDS_SEEN.append(n)
-        del _CONDS_SEEN[:-8]
+            conds_to_device(guider, dev)
     except Exception as e:  # never in the way of sampling: the conds stay where ComfyUI put them
         log.warning("[flux_numba] conditioning left on the CPU (%s: %s)", type(e).__name__, e)
     return executor(guider, *args, **kwargs)
@@ -160,9 +159,7 @@ def install_conds_on_device(model_patcher) -> bool:
     """(Re)place the SAMPLER_SAMPLE wrapper that moves the conditioning to the GPU once per sampling run
     (``conds_to_device``); False where the host has no such wrapper."""
     try:
-        import comfy.patcher_extension as pe
-        model_patcher.remove_wrappers_with_key(pe.WrappersMP.SAMPLER_SAMPLE, CONDS_KEY)
-        model_patcher.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, CONDS_KEY, _conds_wrapper)
+        _install_wrapper(model_patcher, "SAMPLER_SAMPLE", CONDS_KEY, _conds_wrapper)
         return True
     except Exception:
         return False
