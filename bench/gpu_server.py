@@ -81,8 +81,38 @@ class FluxNumbaBenchSink:
     def sink(self, images):
         return {}
 
+class FluxNumbaBenchSDPA:
+    """BENCH ONLY (a control for image agreement): the model with ComfyUI's attention replaced, on this
+    clone only, by torch SDPA with one backend first (cudnn / flash) -- stock's math otherwise."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "backend": (["cudnn", "flash"],)}}
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "FluxNumba/bench"
+    def patch(self, model, backend):
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend as B, sdpa_kernel
+        order = [B.CUDNN_ATTENTION, B.FLASH_ATTENTION] if backend == "cudnn" else [B.FLASH_ATTENTION, B.CUDNN_ATTENTION]
+        order += [B.EFFICIENT_ATTENTION, B.MATH]
+        def attn(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                 skip_output_reshape=False, **kw):
+            if skip_reshape:
+                b, _, _, dh = q.shape
+            else:
+                b, _, dim = q.shape
+                dh = dim // heads
+                q, k, v = (t.view(b, -1, heads, dh).transpose(1, 2) for t in (q, k, v))
+            with sdpa_kernel(order, set_priority=True):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return out if skip_output_reshape else out.transpose(1, 2).reshape(b, -1, heads * dh)
+        m = model.clone()
+        m.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = attn
+        return (m,)
+
 NODE_CLASS_MAPPINGS = {"FluxNumbaBenchConditioning": FluxNumbaBenchConditioning,
-                       "FluxNumbaBenchLatent": FluxNumbaBenchLatent, "FluxNumbaBenchSink": FluxNumbaBenchSink}
+                       "FluxNumbaBenchLatent": FluxNumbaBenchLatent, "FluxNumbaBenchSink": FluxNumbaBenchSink,
+                       "FluxNumbaBenchSDPA": FluxNumbaBenchSDPA}
 '''
 
 AV_STUB = '''"""Stand-in for PyAV (absent on the GPU image): ComfyUI imports it (and av.* submodules)
@@ -373,7 +403,9 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     (profile fast-cached) | easycache | lazycache | stock_easycache | stock_lazycache; a case ending in
     ``_fp8`` loads the weights with UNETLoader's weight_dtype fp8_e4m3fn (stock_fp8, patched_fast_fp8);
     a patched case ending in ``_eager`` runs with cuda_graph off (patched_eager: the eager host path);
-    ``vae_*``: decode-only (``decode_graph``)."""
+    ``patched_sdpa``: exact with attention "sdpa" (ComfyUI's own attention call, stock's backend order);
+    ``stock_cudnn`` / ``stock_flash``: stock with SDPA's cuDNN / FLASH backend first (controls for image
+    agreement: what a change of attention backend alone does); ``vae_*``: decode-only (``decode_graph``)."""
     if case in VAE_CASES:
         return decode_graph(case, res, seed, vae)
     name = prefix + case  # the SaveImage prefix: the case's full name (image_psnr pairs files by it)
@@ -381,6 +413,9 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     case = case[: -len("_fp8")] if fp8 else case
     eager = case.endswith("_eager")  # cuda_graph off: every block eager (the host path's own cost)
     case = case[: -len("_eager")] if eager else case
+    sdpa = case.endswith("_sdpa")  # the pack with ComfyUI's own attention call
+    case = case[: -len("_sdpa")] if sdpa else case
+    control = {"stock_cudnn": "cudnn", "stock_flash": "flash"}.get(case)
     patched = case in ("patched", "patched_fast", "patched_fast_cached", "easycache", "lazycache")
     profile = {"patched_fast": "fast", "patched_fast_cached": "fast-cached"}.get(case, "exact")
     g = {
@@ -393,9 +428,13 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     }
     model = ["unet", 0]
     vae_ref = ["vae", 0]
+    if control:
+        g["sdpa"] = {"class_type": "FluxNumbaBenchSDPA", "inputs": {"model": model, "backend": control}}
+        model = ["sdpa", 0]
     if patched:
         g["patch"] = {"class_type": "FluxNumbaPatch", "inputs": {
-            "model": model, "profile": profile, "route_norms": True, "attention": "auto", "backend": "auto",
+            "model": model, "profile": profile, "route_norms": True, "attention": "sdpa" if sdpa else "auto",
+            "backend": "auto",
             "cuda_graph": "off" if eager else "auto"}}
         model = ["patch", 0]
         if not stock_vae:

@@ -1,7 +1,7 @@
 """Per-block CUDA graphs: each fused FLUX block captured once and replayed while its weights stay put.
 
 Where the whole-forward graph (``graphs.GraphedForward``) cannot run -- weights staged per call by
-ComfyUI's DynamicVRAM, a wrapper that must stay outside a capture (EasyCache / LazyCache), ControlNet
+ComfyUI's DynamicVRAM, a wrapper the host cannot move outside the capture, ControlNet
 residuals, reference latents, masks, partial offload -- a block whose weights are resident is still
 a fixed piece of GPU work: it is captured once per (block, input signature) and replayed, so its
 ~40 kernel launches and ComfyUI's per-op weight casts cost one graph launch.  Blocks whose weights

@@ -8,10 +8,12 @@ step.  Only when it is safe -- otherwise the step runs eagerly and the reason is
     forward never syncs the host and captures with syncs turned into Python errors and
     ``capture_error_mode="thread_local"`` (flux_core/graphs.py); tensors from before the capture
     released inside it (the previous step's cached SiLU(vec)) are deferred frees, benign there;
-  * this wrapper is the innermost diffusion-model wrapper: whatever a later wrapper does (EasyCache
-    reads tensors on the host with ``.item()`` and keeps tensors across steps) would be recorded
-    into the graph -- a host sync inside a capture invalidates it, and its per-step decisions
-    would be frozen.  Wrappers outside this one (added before the patch) run outside the graph;
+  * the graph covers the model's own forward only: wrappers added after the patch (EasyCache,
+    LazyCache ... -- they read tensors on the host with ``.item()`` and decide per step whether to
+    run the model at all) would otherwise run inside this one and be recorded into the graph (a host
+    sync inside a capture invalidates it; their decisions would be frozen).  So they run first and
+    this wrapper's work runs innermost (``host.run_innermost``): every step they let through
+    replays the graph.  Wrappers added before the patch run outside it anyway;
   * every weight on the GPU (no low-VRAM offload), no DynamicVRAM staging and no weight functions
     (on-the-fly LoRA) -- plain per-call casts of resident weights (fp8 storage) are device work at
     fixed addresses and are captured -- and no other node's block replacements;
@@ -54,8 +56,17 @@ class GraphWrapper(Guarded):
         with block_graphs.allowed():
             return executor(*args, **kwargs)
 
-    def __call__(self, executor, x, timestep, context, y=None, guidance=None, ref_latents=None, control=None,
+    def __call__(self, executor, *args, **kwargs):
+        from .host import inner_wrappers, run_innermost
+        if inner_wrappers(executor):  # wrappers added after ours: they run first, the graph innermost
+            self.stats["innermost"] = self.stats.get("innermost", 0) + 1
+            return run_innermost(executor, self._graphed, *args, **kwargs)
+        return self._graphed(executor, *args, **kwargs)
+
+    def _graphed(self, executor, x, timestep, context, y=None, guidance=None, ref_latents=None, control=None,
                  transformer_options={}, **kwargs):
+        """The forward through the graph where safe; ``executor`` calls the model itself (or wrappers
+        we cannot see inside: then eager, with the reason)."""
         from .host import graph_state, wrapped_object
         args = (x, timestep, context, y, guidance, ref_latents, control, transformer_options)
         dm = wrapped_object(executor)

@@ -32,7 +32,7 @@ TOOLTIPS = {
                "torch reference (faithful A/B baseline, also on CPU). numba: force the Numba kernels.",
     "cuda_graph": "auto: replay the FLUX forward as CUDA graphs (removes launch and host overhead): the whole step "
                   "where possible, else each block on its own while its weights are resident (DynamicVRAM, "
-                  "EasyCache, ControlNet, masks, partial offload); blocks with streamed weights run eagerly; the log "
+                  "ControlNet, masks, partial offload); blocks with streamed weights run eagerly; the log "
                   "says why. Holds activation buffers per image size until the model is unloaded. off: every step "
                   "eager.",
 }

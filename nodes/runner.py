@@ -15,7 +15,7 @@ Per block call ``fn(args, extra)``:
     while this model's block runs, so two differently patched models in one graph don't interfere;
   * attention "auto": the registry picks the attention op's backend once per shape (the pack's
     kernels are opt-in; SDPA in torch's order -- FLASH first -- or cuDNN first: on an H200 0.74-0.85
-    vs 0.375 ms per FLUX call; v0.33 itself orders FLASH first, v0.8.0 cuDNN first).  Where it picks
+    vs 0.375 ms per FLUX call; v0.33 itself orders FLASH first, v0.8.0 cuDNN first on Windows only).  Where it picks
     SDPA and ComfyUI's attention is its plain SDPA path, the measured order runs; where ComfyUI's
     attention is something else (sage / flash-attn / xformers / split ...), ComfyUI's is called.  An ``optimized_attention_override`` from another node always goes through
     ComfyUI's attention;
@@ -29,7 +29,7 @@ Per block call ``fn(args, extra)``:
     after an in-place update is undone; OOM is re-raised so ComfyUI's own OOM handling sees it.
 
 CUDA graphs (``cuda_graph`` auto): the whole forward through ``cuda_graph.GraphWrapper`` where it
-can be captured; where it cannot (DynamicVRAM, wrappers inside ours, ControlNet, masks ...) each
+can be captured; where it cannot (DynamicVRAM, ControlNet, masks ...) each
 block call goes through ``flux_core.block_graphs.BlockGraphs`` with the host's residency key
 (``host.block_residency``): replayed while its weights stay put, eager otherwise.  A re-executed
 patch node with the same model and options reuses its runner (``_REUSE``), graphs included.

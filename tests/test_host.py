@@ -255,6 +255,44 @@ def test_sampling_runs_the_pack_and_equals_stock(comfy, case):
             "the LoRA patch must change the result"
 
 
+def test_cache_wrappers_run_outside_the_whole_forward_graph(comfy, monkeypatch):
+    """EasyCache added after the patch: its DIFFUSION_MODEL wrapper (host-side ``.item()`` reads, a
+    per-step decision whether the model runs at all) runs first, and the pack's whole-forward graph
+    wrapper innermost -- around the model's own forward, with no wrapper left inside it to capture --
+    on every step EasyCache lets through; samples equal stock + EasyCache."""
+    from comfy_extras import nodes_easycache as ec
+    from flux_numba_pack.nodes import cuda_graph
+    from flux_numba_pack.nodes.host import inner_wrappers
+    order, inside = [], []
+    ec_orig, ours_orig = ec.easycache_forward_wrapper, cuda_graph.GraphWrapper._graphed
+
+    def ec_spy(executor, *a, **k):
+        order.append("easycache")
+        return ec_orig(executor, *a, **k)
+
+    def ours_spy(self, executor, *a, **k):
+        order.append("graph")
+        inside.append(inner_wrappers(executor))
+        return ours_orig(self, executor, *a, **k)
+    monkeypatch.setattr(ec, "easycache_forward_wrapper", ec_spy)
+    monkeypatch.setattr(cuda_graph.GraphWrapper, "_graphed", ours_spy)
+    mp = tiny_patcher(comfy, torch.float32)
+    pm, = Patch().patch(mp, backend="torch", profile="exact", cuda_graph="auto")
+    import comfy.patcher_extension as pe
+    (w,) = pm.get_wrappers(pe.WrappersMP.DIFFUSION_MODEL, cuda_graph.KEY)
+    stock_model, pm = _after_patch(CASES["easycache_after_patch"], mp, pm)
+    latent = torch.zeros(1, 16, *TINY_LATENT[1:])
+    stock = _sample(stock_model, latent, steps=6)
+    order.clear()
+    got = _sample(pm, latent, steps=6)
+    assert torch.allclose(got, stock, rtol=1e-5, atol=1e-5), rel_err(got, stock)
+    assert inside and all(i == [] for i in inside), inside
+    assert order[0] == "easycache" and all(order[i - 1] == "easycache" for i, o in enumerate(order) if o == "graph"), order
+    assert w.stats.get("innermost") == len(inside)
+    assert "wrappers run inside" not in (w.last_mode or ""), w.last_mode
+    assert patch_stats(pm)["fallbacks"] == 0
+
+
 def test_failure_turns_the_path_off_at_no_cost(comfy, monkeypatch):
     """After one failure the model runs stock at that signature: the pack's code is not entered again."""
     from flux_numba_pack.flux_core import blocks

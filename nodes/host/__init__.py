@@ -19,5 +19,5 @@ from .flux import (ATTENTION_OVERRIDE, PATCHES_IN_BLOCKS, ComfyWeights, attentio
 from .versions import TESTED, comfy_version, features, log_once  # noqa: F401
 from .wrappers import (conds_to_device, drop_on_unload, guider_device, guider_transformer_options,  # noqa: F401
                        inner_wrappers, install_conds_on_device, install_diffusion_wrapper, install_sampling_wrappers,
-                       sampler_sigmas, wrapped_object)
+                       run_innermost, sampler_sigmas, wrapped_object)
 from . import ui, vae  # noqa: F401

@@ -434,7 +434,7 @@ def compiler_recording() -> Optional[str]:
 def default_sdpa_attention() -> bool:
     """True when FLUX's attention is ComfyUI's plain PyTorch SDPA path (``attention_pytorch``: no
     --use-sage / --use-flash / xformers / split / sub-quadratic choice by the user).  That path only
-    adds a backend order around ``F.scaled_dot_product_attention`` (v0.8.0: cuDNN first; v0.33:
+    adds a backend order around ``F.scaled_dot_product_attention`` (v0.8.0: cuDNN first on Windows, torch's order -- FLASH first -- elsewhere; v0.33:
     FLASH first -- on an H200 pytorch's flash kernel takes ~0.85 ms where cuDNN takes ~0.45 ms at
     FLUX's 4608 tokens), so the pack may run SDPA with the backend it measured fastest instead."""
     try:

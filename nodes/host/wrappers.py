@@ -37,6 +37,17 @@ def inner_wrappers(executor) -> Optional[List]:
     return list(wrappers[idx + 1:])
 
 
+def run_innermost(executor, fn, *args, **kwargs):
+    """Run the wrappers ``executor`` would still run inside the current one first, and ``fn(executor',
+    *args, **kwargs)`` innermost -- right around the wrapped function (``executor'`` calls it): a
+    wrapper that must see only the model's own forward (a CUDA graph over it) stays inside wrappers
+    added after it (EasyCache's host-side decisions and ``.item()`` reads then run outside the graph).
+    The other wrappers see the same arguments and the same result: ours adds nothing of its own.
+    Only where ``inner_wrappers(executor)`` sees the chain."""
+    chain = type(executor)(executor.original, executor.class_obj, inner_wrappers(executor) + [fn], 0)
+    return chain.execute(*args, **kwargs)
+
+
 def wrapped_object(executor):
     """The object a wrapper executor calls (the diffusion model, the sampler's guider ...)."""
     return executor.class_obj
