@@ -286,6 +286,51 @@ comfy.sd.VAE.decode = vae_decode
 NODE_CLASS_MAPPINGS = {}
 '''
 
+PHASES_NODE = r'''
+"""BENCH ONLY (gpu_server.py): wall seconds of each prompt's phases -- the sampler call (comfy.sample.sample,
+up to its result on the host's side of the GPU: one synchronize at its end), VAE.decode, SaveImage -- one
+JSON line per saved image, keyed by the SaveImage prefix (the case's name), so a prompt's time splits
+into sampling, decoding, saving and the rest (ComfyUI's executor, model loading, text nodes)."""
+import json, os, time
+import torch
+import comfy.sample, comfy.sd, nodes
+
+OUT = os.environ["FLUX_BENCH_PHASES"]
+_acc = {}
+
+
+def _timed(name, fn, sync=False):
+    def run(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            if sync and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            _acc[name] = _acc.get(name, 0.0) + time.perf_counter() - t
+    return run
+
+
+comfy.sample.sample = _timed("sample", comfy.sample.sample, sync=True)
+comfy.sd.VAE.decode = _timed("decode", comfy.sd.VAE.decode, sync=True)
+_save = nodes.SaveImage.save_images
+
+
+def save_images(self, images, filename_prefix="ComfyUI", *a, **k):
+    t = time.perf_counter()
+    try:
+        return _save(self, images, filename_prefix, *a, **k)
+    finally:
+        rec = dict(_acc, save=time.perf_counter() - t, case=filename_prefix)
+        _acc.clear()
+        with open(OUT, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+nodes.SaveImage.save_images = save_images
+NODE_CLASS_MAPPINGS = {}
+'''
+
 KEYS = ("fallback", "kernel build", "building", "per-block", "profile fast", "FluxNumbaVAEPatch", "DynamicVRAM", "running ComfyUI's original block", "CUDA graph", "captured a CUDA graph", "is off for this model",
         "FluxNumbaPatch", "Traceback", "Error", "error", "terminate called", "freeAsync")
 
@@ -485,6 +530,26 @@ def image_psnr(out_dir, cases, interleaved):
     return res
 
 
+def phase_medians(path, cases):
+    """{case: {phase: median seconds over the case's runs 2..N}} from the phases node's lines (in run
+    order; profile prompts, prefixed ``prof_``, are left out)."""
+    try:
+        lines = [json.loads(ln) for ln in open(path) if ln.strip()]
+    except OSError:
+        return {}
+    out = {}
+    for case in cases:
+        runs = [r for r in lines if r.get("case") == case][1:]
+        if not runs:
+            continue
+        med = {}
+        for k in sorted({k for r in runs for k in r if k != "case"}):
+            v = sorted(r[k] for r in runs if k in r)
+            med[k] = round(v[len(v) // 2], 3)
+        out[case] = med
+    return out
+
+
 def run_prompt(url, prompt, timeout):
     cid = uuid.uuid4().hex
     pid = _post(url + "/prompt", {"prompt": prompt, "client_id": cid})["prompt_id"]
@@ -611,6 +676,9 @@ def main():
             os.symlink(ROOT, os.path.join(cn, "comfyui-flux-numba-kernels"))
             with open(os.path.join(cn, "flux_numba_bench_cond.py"), "w") as f:
                 f.write(COND_NODE)
+            phases = os.path.join(base, "phases.jsonl")
+            with open(os.path.join(cn, "flux_numba_bench_phases.py"), "w") as f:
+                f.write(PHASES_NODE)
             prof_dir = None
             if a.profile:
                 prof_dir = os.path.join(os.path.abspath(a.profile),
@@ -626,7 +694,9 @@ def main():
             results.append(rec)
             t0 = time.time()
             try:
-                senv = dict(env, FLUX_BENCH_PROFILE=prof_dir) if prof_dir else env
+                senv = dict(env, FLUX_BENCH_PHASES=phases)
+                if prof_dir:
+                    senv["FLUX_BENCH_PROFILE"] = prof_dir
                 proc, url, logp, logf = serve(a.python, comfy, base, flags, senv)
             except Exception as e:
                 rec["start_error"] = str(e)[-2000:]
@@ -687,6 +757,9 @@ def main():
                 rows.append((ver, flags or "(default)", case, f"{last.get('s', float('nan')):.2f}" if last.get("ok") else
                              "FAIL", f"{runs[0].get('s', float('nan')):.2f}" if runs and runs[0].get("ok") else "-",
                              f"{last.get('peak_mib', 0) / 1024:.1f}", "" if last.get("ok") else last.get("error", "")[:60]))
+            ph = phase_medians(phases, cases)
+            if ph:
+                rec["phases_median_s"] = ph
             psnr = image_psnr(os.path.join(base, "output"), cases, a.interleave)
             if psnr:
                 rec["psnr_vs_stock_db"] = psnr
@@ -734,6 +807,11 @@ def main():
         if rec.get("median_warm_s"):
             print(f"median of runs 2..N, {rec['comfyui']} {rec['flags'] or '(default)'}: "
                   + ", ".join(f"{c} {v:.2f}" for c, v in rec["median_warm_s"].items()))
+        for case, ph in rec.get("phases_median_s", {}).items():
+            tot = rec.get("median_warm_s", {}).get(case)
+            rest = f", rest {tot - sum(ph.values()):.3f}" if tot is not None else ""
+            print(f"phases (median s, runs 2..N), {rec['comfyui']} {rec['flags'] or '(default)'} {case}: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()) + rest)
 
 
 if __name__ == "__main__":

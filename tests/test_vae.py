@@ -477,3 +477,27 @@ def test_low_res_graph_dropped_on_detach():
     out.patcher.detach()                    # a real unload (weights to the offload device)
     assert dropped == [True]
     assert fsm.decoder is dec   # detach unpatched the object patch too
+
+
+@pytest.mark.comfyui
+def test_repatching_reuses_the_patched_decoder():
+    """The node re-run on the same VAE with the same options (a workflow alternating with one without
+    the node: ComfyUI runs it again) hands out the same patched decoder, its low-res graph included;
+    other options get their own; the entry goes with the VAE's model."""
+    import gc
+    M = _comfy()
+    VP = _node_module()
+    from flux_numba_pack.nodes.host import vae as HV
+    dec, fsm, vae = _small_vae(M, torch.bfloat16)
+    a = VP.apply(vae)[0]
+    b = VP.apply(vae)[0]
+    assert a is not b and a.patcher is not b.patcher   # a new VAE object per run, as before
+    da, db = (v.patcher.object_patches["decoder"] for v in (a, b))
+    assert da is db and da._flux_numba_graph is not None
+    dc = VP.apply(vae, cuda_graph="off")[0].patcher.object_patches["decoder"]
+    assert dc is not da and dc._flux_numba_graph is None
+    keys = [k for k in HV._REUSE if k[0] == id(fsm)]
+    assert len(keys) == 2
+    del a, b, da, db, dc, vae, fsm, dec
+    gc.collect()
+    assert not [k for k in HV._REUSE if k in keys], "the VAE's model is gone: so are its entries"

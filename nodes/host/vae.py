@@ -15,6 +15,8 @@ import contextlib
 import copy
 import logging
 import sys
+import weakref
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -219,6 +221,35 @@ def why_not_patchable(vae_obj) -> Optional[str]:
     return None
 
 
+# The last REUSE_MAX patched decoders, keyed by (the VAE's model, options): re-executing the VAE patch
+# on the same VAE (a workflow alternating with one that lacks the node evicts its cached output, so
+# ComfyUI runs the node again) hands out the same patched decoder -- its low-resolution CUDA graph
+# included -- instead of warming up (two eager decodes) and capturing again on every such prompt.
+# An entry goes when the VAE's model is collected (the patched decoder holds the original decoder,
+# not the model around it), or when newer ones push it out.
+_REUSE = OrderedDict()
+REUSE_MAX = 3
+
+
+def _reused_decoder(fsm, orig, backend, layout, cuda_graph):
+    """(patched decoder, counts) for ``orig`` (the decoder of ``fsm``, a VAE's first_stage_model)."""
+    key = (id(fsm), backend, layout, cuda_graph)
+    hit = _REUSE.get(key)
+    if hit is not None and hit[0]() is fsm and hit[1].__dict__.get("_flux_numba_original") is orig:
+        _REUSE.move_to_end(key)
+        return hit[1], hit[2]
+    dec, counts = patched_decoder(orig, backend, layout, cuda_graph)
+    try:
+        ref = weakref.ref(fsm)
+        weakref.finalize(fsm, _REUSE.pop, key, None)
+    except TypeError:  # not weak-referenceable: no reuse
+        return dec, counts
+    _REUSE[key] = (ref, dec, counts)
+    while len(_REUSE) > REUSE_MAX:
+        _REUSE.popitem(last=False)
+    return dec, counts
+
+
 def patch_vae(vae_obj, backend: str = "auto", layout: str = "nhwc", cuda_graph: str = "auto"):
     """A shallow copy of ``vae_obj`` whose ``patcher`` is a ``ModelPatcher.clone()`` carrying ONE object
     patch, ``"decoder"`` -> the patched decoder; returns (vae, counts) or (the input, reason str).
@@ -226,11 +257,13 @@ def patch_vae(vae_obj, backend: str = "auto", layout: str = "nhwc", cuda_graph: 
     ComfyUI applies the object patch when it loads this VAE's patcher (``VAE.decode`` and the tiled
     decoders call ``load_models_gpu([self.patcher])`` first) and restores the stock decoder when the
     original VAE's patcher is loaded again (``unpatch_model`` restores object patches from the backup
-    shared by clones).  The low-resolution graph is dropped when ComfyUI unloads the VAE."""
+    shared by clones).  The low-resolution graph is dropped when ComfyUI unloads the VAE.  The same
+    VAE patched again with the same options gets the same patched decoder (``_reused_decoder``)."""
     why = why_not_patchable(vae_obj)
     if why:
         return vae_obj, why
-    dec, counts = patched_decoder(original_decoder(vae_obj.first_stage_model.decoder), backend, layout, cuda_graph)
+    fsm = vae_obj.first_stage_model
+    dec, counts = _reused_decoder(fsm, original_decoder(fsm.decoder), backend, layout, cuda_graph)
     out = copy.copy(vae_obj)
     out.patcher = vae_obj.patcher.clone()
     out.patcher.add_object_patch("decoder", dec)
