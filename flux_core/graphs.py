@@ -130,15 +130,19 @@ class GraphedForward:
         self.pool = None
         self.captures = 0
         self.replays = 0
+        self.deferred = None  # why the last capture was put off (``can_capture``), if it was
 
     def _weights_key(self):
         if self.module is None:
             return None
         return tuple(p.data_ptr() for p in self.module.parameters())
 
-    def __call__(self, *xs: torch.Tensor, weights_key: Optional[tuple] = None) -> torch.Tensor:
+    def __call__(self, *xs: torch.Tensor, weights_key: Optional[tuple] = None,
+                 can_capture: Optional[Callable] = None) -> torch.Tensor:
         """``weights_key``: the identity of the weights the graph reads, when the caller has it
-        already (default: the ``data_ptr`` of every parameter of ``module``); a change re-captures."""
+        already (default: the ``data_ptr`` of every parameter of ``module``); a change re-captures.
+        ``can_capture()``: None when a capture may run now, else why not -- the call then runs ``fn``
+        eagerly (not counted as a warm-up, nothing turned off) and a later call captures."""
         key = _sig(xs)
         wk = self._weights_key() if weights_key is None else weights_key
         e = self.graphs.get(key)
@@ -158,6 +162,10 @@ class GraphedForward:
                 # never syncs the host, or raises before any capture is attempted)
                 with no_host_syncs() if n + 1 == self.warmup else contextlib.nullcontext():
                     return self.fn(*xs)
+            why = can_capture() if can_capture is not None else None
+            if why:
+                self.deferred = why
+                return self.fn(*xs)
             if len(self.graphs) >= self.max_graphs:
                 drop_graph(self.graphs.pop(next(iter(self.graphs))).graph)
             e = self.graphs[key] = self._capture(xs, wk)
@@ -217,14 +225,15 @@ class GraphGuard:
                 drop_graph(e.graph)
             graphs.clear()
 
-    def run(self, fn: Callable, inputs, weights_key, eager_fn: Callable):
-        """``fn(*inputs)`` through the graph (``fn`` is the closure of this call: a capture records it)."""
+    def run(self, fn: Callable, inputs, weights_key, eager_fn: Callable, can_capture: Optional[Callable] = None):
+        """``fn(*inputs)`` through the graph (``fn`` is the closure of this call: a capture records it);
+        ``can_capture``: see ``GraphedForward.__call__``."""
         if self.gf is None:
             self.gf = GraphedForward(fn, warmup=self.warmup, max_graphs=self.max_graphs)
         self.gf.fn = fn
         replays = getattr(self.gf, "replays", 0)
         try:
-            out = self.gf(*inputs, weights_key=weights_key)
+            out = self.gf(*inputs, weights_key=weights_key, can_capture=can_capture)
         except Exception as e:
             if is_interrupt(e):
                 raise

@@ -259,7 +259,9 @@ class LowResGraph(Guarded):
     a shape (the second proves the stage never syncs the host), then capture and replay; a change of
     any decoder weight's address re-captures; eager (reason logged once) when ``state(dec, device)``
     says a graph is unsafe, for good once a capture failed; out-of-memory (graphs dropped first) and
-    the host's interrupt propagate.
+    the host's interrupt propagate.  ``state`` returns (reasons, weights key) or (reasons, weights key,
+    can_capture): where the host's weights move under memory pressure (DynamicVRAM), the key is their
+    residency and ``can_capture()`` puts a capture off while there is no room for one.
     """
 
     def __init__(self, host: DecoderHost, state, name: str = "VAE decoder", max_graphs: int = 2):
@@ -268,12 +270,14 @@ class LowResGraph(Guarded):
                                 max_graphs=max_graphs, on_oom="raise")
 
     def __call__(self, dec, z):
-        why, wkey = self.guard.failed, None
+        why, wkey, can_capture = self.guard.failed, None, None
         if why is None:
-            why, wkey = self.state(dec, z.device)
+            st = self.state(dec, z.device)
+            why, wkey = st[0], st[1]
+            can_capture = st[2] if len(st) > 2 else None
             why = "; ".join(why) or None
         eager = lambda: stage_low(dec, z, self.host)  # noqa: E731
         if why:
             return self.guard.eager(why, eager)
         self.host.every_op()  # the interrupt check the replayed ops no longer make
-        return self.guard.run(lambda x: stage_low(dec, x, self.host), (z,), wkey, eager)
+        return self.guard.run(lambda x: stage_low(dec, x, self.host), (z,), wkey, eager, can_capture)

@@ -115,7 +115,7 @@ def test_flux_graph_wrapper_interrupt_keeps_graphs(monkeypatch):
         def __init__(self, fn, **kw):
             self.fn = fn
 
-        def __call__(self, *xs, weights_key=None):
+        def __call__(self, *xs, weights_key=None, can_capture=None):
             raise raised.pop(0)
 
     monkeypatch.setattr(CG, "capture_problem", lambda ex, topts: None)
@@ -150,3 +150,24 @@ def test_graphed_forward_stays_eager_while_kernels_are_built(monkeypatch):
     monkeypatch.setattr(registry, "pending", None)
     gf(torch.ones(3))
     assert sum(gf._seen.values()) == 1  # the first warm-up with the kernels in place
+
+
+def test_graphed_forward_puts_a_capture_off_while_there_is_no_room(monkeypatch):
+    """``can_capture`` answering why not: the call after the warm-ups runs eagerly (its result used,
+    nothing turned off, no capture attempted -- on this CPU one would raise); once it answers None
+    the next call captures."""
+    import contextlib
+    import flux_numba_pack.flux_core.graphs as FG
+    from flux_numba_pack.flux_core.graphs import GraphedForward
+    monkeypatch.setattr(FG, "no_host_syncs", contextlib.nullcontext)   # (sync debug mode needs CUDA)
+    gf = GraphedForward(lambda x: x * 2, warmup=2)
+    room = ["no room (stand-in)"]
+    for _ in range(4):
+        assert torch.equal(gf(torch.ones(3), weights_key=("w",), can_capture=lambda: room[0]), torch.full((3,), 2.0))
+    assert gf.captures == 0 and not gf.graphs and gf.deferred == "no room (stand-in)"
+    captured = []
+    monkeypatch.setattr(gf, "_capture", lambda xs, wk: captured.append(wk) or (_ for _ in ()).throw(RuntimeError("x")))
+    room[0] = None
+    with pytest.raises(RuntimeError):
+        gf(torch.ones(3), weights_key=("w",), can_capture=lambda: room[0])
+    assert captured == [("w",)]

@@ -892,6 +892,37 @@ def test_block_residency_faults_each_dynamic_module_and_compares_signatures(monk
     assert k6 is None and "weight functions" in why and not pins
 
 
+def test_vae_graph_state_under_dynamic_vram(monkeypatch):
+    """The VAE decoder's low-res graph under DynamicVRAM: keyed on its weights' residency (every
+    ``_v`` faulted, the faults unpinned at once: the decode's staging holds its own pins), a capture
+    put off while the budget cannot hold the model; streamed weights -> eager with the reason; a
+    decoder without vbar weights keeps the address check."""
+    from flux_numba_pack.nodes.host import flux as host
+    from flux_numba_pack.nodes.host import vae as hvae
+    fake = _FakeModelVbar()
+    monkeypatch.setattr(host, "_model_vbar", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (64 << 30, 141 << 30))
+    vb = _FakeVbar(pages=8, watermark=8)
+    dec = torch.nn.Sequential(torch.nn.Conv2d(2, 2, 1), torch.nn.GroupNorm(1, 2))
+    for i, m in enumerate(dec):
+        m._v = (vb, 4096 * i, 4096)
+    dev = torch.device("cuda", 0)
+    why, k1, can_capture = hvae._graph_state(dec, dev)
+    assert why == [] and vb.pins == 0 and can_capture() is None
+    assert hvae._graph_state(dec, dev)[1] == k1
+    vb.gen = 1                       # pages evicted and faulted again: another key (re-capture)
+    assert hvae._graph_state(dec, dev)[1] != k1
+    vb.wm = 6                        # the budget no longer holds the model: replays yes, captures no
+    assert "budget holds 6" in hvae._graph_state(dec, dev)[2]()
+    vb.full = True
+    why, key = hvae._graph_state(dec, dev)
+    assert key is None and "not resident" in why[0] and vb.pins == 0
+    plain = torch.nn.Conv2d(2, 2, 1)
+    why, key = hvae._graph_state(plain, dev)   # CPU weights, no vbar: the address check's reasons
+    assert "offloaded" in why[0]
+
+
 def test_capture_headroom_refuses_streamed_weights_and_low_memory(monkeypatch):
     from flux_numba_pack.nodes.host import flux as host
     dev = torch.device("cuda", 0)

@@ -408,7 +408,7 @@ def test_low_res_graph_failures(monkeypatch, caplog):
         def __init__(self, fn, **kw):
             self.graphs, self.replays = {}, 0
 
-        def __call__(self, x, weights_key=None):
+        def __call__(self, x, weights_key=None, can_capture=None):
             exc = raised.pop(0)
             raise exc
 
@@ -501,3 +501,35 @@ def test_repatching_reuses_the_patched_decoder():
     del a, b, da, db, dc, vae, fsm, dec
     gc.collect()
     assert not [k for k in HV._REUSE if k in keys], "the VAE's model is gone: so are its entries"
+
+
+@pytest.mark.comfyui
+def test_dynamic_vram_decoder_is_staged_once_per_decode(monkeypatch):
+    """A DynamicVRAM decoder (vbar weights) decodes inside one ``staged_block`` over the whole decoder
+    (every weight staged and pinned once, as ComfyUI's block prefetch does), not op by op; a plain
+    decoder is not staged.  The result is the eager decoder's."""
+    import contextlib
+    M = _comfy()
+    VP = _node_module()
+    import flux_numba_pack.nodes.host as H
+    dec, fsm, vae = _small_vae(M, torch.bfloat16)
+    pat = VP.apply(vae, cuda_graph="off")[0].patcher.object_patches["decoder"]
+    z = torch.randn(1, 16, 2, 3, device=DEV).to(torch.bfloat16)
+    with torch.no_grad():
+        want = pat(z)
+    staged = []
+
+    @contextlib.contextmanager
+    def fake_staged(blk, device, dynamic):
+        staged.append((blk, dynamic))
+        yield dynamic
+    monkeypatch.setattr(H, "staged_block", fake_staged)
+    with torch.no_grad():
+        pat(z)
+    assert staged == [(pat, False)]
+    monkeypatch.setattr(H, "dynamic_block", lambda blk: True)
+    with torch.no_grad():
+        got = pat(z)
+        pat(z)
+    assert staged[1:] == [(pat, True), (pat, True)]
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -85,8 +85,23 @@ HOST = ComfyDecoderHost()
 
 
 def _graph_state(dec, device):
-    """``graph_state`` looked up on the host package at call time (one place to replace it)."""
-    return sys.modules[__package__].graph_state(dec, device)
+    """What the low-resolution graph may do this decode: (reasons, weights key[, can_capture]).
+
+    A DynamicVRAM decoder (comfy-aimdo vbar weights; the decode runs inside ``staged_block``, which
+    stages and pins all of them): the key is the weights' residency (``block_residency``: page
+    signatures, as for a FLUX block), and a capture waits until ``capture_headroom`` finds room for
+    it; weights that are streamed -> eager.  Otherwise ``graph_state`` (weights' addresses; per-call
+    weight work -> eager).  Looked up on the host package at call time (one place to replace them)."""
+    host = sys.modules[__package__]
+    if device.type == "cuda" and host.dynamic_block(dec):
+        key, why, pins = host.block_residency(dec, device, None)
+        host.release_pins(pins)   # (the staging holds the decode's own pins)
+        if key is None:
+            return [why], None
+        if torch.cuda.is_current_stream_capturing():
+            return ["already inside a capture"], None
+        return [], key, lambda: host.capture_headroom(pins, device)
+    return host.graph_state(dec, device)
 
 
 # ------------------------------------------------------------------ the patched classes' forwards
@@ -120,8 +135,12 @@ def _decoder_forward(self, z, **kwargs):
         why = vae.nhwc_problem(z, kwargs, getattr(self, "_flux_numba_layout", "nchw"), backend,
                                self.__dict__.get("_flux_numba_nhwc_failed", ()))
         if why is None:
+            host = sys.modules[__package__]
             try:
-                return vae.decode_nhwc(self, z, HOST, kwargs, low=self.__dict__.get("_flux_numba_graph"))
+                # DynamicVRAM: every decoder weight staged once for the decode (as ComfyUI's block
+                # prefetch does), not op by op with a stream round trip each
+                with host.staged_block(self, z.device, host.dynamic_block(self)):
+                    return vae.decode_nhwc(self, z, HOST, kwargs, low=self.__dict__.get("_flux_numba_graph"))
             except Exception as e:  # logged once; this shape then runs the NCHW path
                 if registry.strict or is_oom(e) or is_interrupt(e):
                     raise
