@@ -760,6 +760,7 @@ def main():
             ph = phase_medians(phases, cases)
             if ph:
                 rec["phases_median_s"] = ph
+                rec["phases"] = [json.loads(ln) for ln in open(phases) if ln.strip()]
             psnr = image_psnr(os.path.join(base, "output"), cases, a.interleave)
             if psnr:
                 rec["psnr_vs_stock_db"] = psnr

@@ -237,3 +237,36 @@ def test_build_pending_follows_its_jobs():
     assert (b.built, b.failed, b.errors) == (1, 1, ["boom"]) and b.progress() == (2, 2)
     b.done.set()
     assert not b.holds(la2)
+
+
+def test_patch_node_warms_each_kernel_once_per_process(monkeypatch):
+    """FluxNumbaPatch warms (compiles or loads) its kernels on its first execution only: a re-run
+    (alternating workflows re-execute the node every prompt) warms nothing already warmed, and a
+    kernel whose warm-up failed is tried again."""
+    import contextlib
+    from flux_numba_pack.nodes import runner, progress
+    monkeypatch.setattr(runner, "_WARMED", set())
+    monkeypatch.setattr(prebuild, "current", lambda: None)
+
+    class Prog:
+        begin = step = staticmethod(lambda *a, **k: None)
+    monkeypatch.setattr(progress, "compile_progress", lambda *a, **k: contextlib.nullcontext(Prog()))
+    calls = [("ln_modulate", "numba", None), ("gated_residual", "numba", None), ("attention", "numba-8bit", None)]
+    monkeypatch.setattr(warmup, "warm_calls", lambda device: calls)
+    ran, fail = [], {"gated_residual"}
+
+    def warm_all(device, backends=None, on_begin=None, on_step=None):
+        ran.append(sorted(backends))
+        return {op if b == "numba" else f"{op}/{b}": {"seconds": 0.1, "cached": True,
+                                                      "error": "boom" if op in fail else None}
+                for op, b in backends}
+    monkeypatch.setattr(warmup, "warm_all", warm_all)
+    opts = dict(attention="numba-8bit", backend="auto", profile="exact", route_norms=True)
+    runner.warm_kernels(None, opts)
+    assert ran == [[("attention", "numba-8bit"), ("gated_residual", "numba"), ("ln_modulate", "numba")]]
+    runner.warm_kernels(None, opts)
+    assert ran[1] == [("gated_residual", "numba")], "only the failed one again"
+    fail.clear()
+    runner.warm_kernels(None, opts)
+    out = runner.warm_kernels(None, opts)
+    assert len(ran) == 3 and "warm" in out
