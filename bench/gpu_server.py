@@ -290,10 +290,13 @@ PHASES_NODE = r'''
 """BENCH ONLY (gpu_server.py): wall seconds of each prompt's phases -- the sampler call (comfy.sample.sample,
 up to its result on the host's side of the GPU: one synchronize at its end), VAE.decode, SaveImage -- one
 JSON line per saved image, keyed by the SaveImage prefix (the case's name), so a prompt's time splits
-into sampling, decoding, saving and the rest (ComfyUI's executor, model loading, text nodes)."""
+into sampling, decoding, saving and the rest (ComfyUI's executor, model loading, text nodes); and
+each node's execution ("node:<class>", as ComfyUI's executor runs it: a node's time holds the phases
+inside it; a SaveImage node's own line lands in the next prompt's record, so it is left out)."""
 import json, os, time
 import torch
 import comfy.sample, comfy.sd, nodes
+import execution
 
 OUT = os.environ["FLUX_BENCH_PHASES"]
 _acc = {}
@@ -328,6 +331,23 @@ def save_images(self, images, filename_prefix="ComfyUI", *a, **k):
 
 
 nodes.SaveImage.save_images = save_images
+_execute = execution.execute
+
+
+async def execute(server, dynprompt, caches, current_item, *a, **k):
+    t = time.perf_counter()
+    try:
+        return await _execute(server, dynprompt, caches, current_item, *a, **k)
+    finally:
+        try:
+            ct = dynprompt.get_node(current_item)["class_type"]
+        except Exception:
+            ct = "?"
+        if ct != "SaveImage":
+            _acc["node:" + ct] = _acc.get("node:" + ct, 0.0) + time.perf_counter() - t
+
+
+execution.execute = execute
 NODE_CLASS_MAPPINGS = {}
 '''
 
@@ -810,7 +830,8 @@ def main():
                   + ", ".join(f"{c} {v:.2f}" for c, v in rec["median_warm_s"].items()))
         for case, ph in rec.get("phases_median_s", {}).items():
             tot = rec.get("median_warm_s", {}).get(case)
-            rest = f", rest {tot - sum(ph.values()):.3f}" if tot is not None else ""
+            rest = (f", rest {tot - sum(v for k, v in ph.items() if not k.startswith('node:')):.3f}"
+                    if tot is not None else "")
             print(f"phases (median s, runs 2..N), {rec['comfyui']} {rec['flags'] or '(default)'} {case}: "
                   + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()) + rest)
 
