@@ -85,8 +85,9 @@ def node_class():
                         io.Combo.Input("cuda_graph", options=list(CUDA_GRAPHS), default="auto", optional=True,
                                        tooltip="auto: from the third decode of a latent size on, replay the decoder's "
                                                "low-resolution stage (host-bound when issued op by op) as a CUDA "
-                                               "graph; holds that stage's activations in VRAM between decodes. Off "
-                                               "with low-VRAM offload / DynamicVRAM (logged). off: eager")],
+                                               "graph; holds that stage's activations in VRAM between decodes. Under "
+                                               "DynamicVRAM while the weights stay resident; eager with low-VRAM "
+                                               "offload (logged). off: eager")],
                 outputs=[io.Vae.Output(display_name="vae")])
 
         @classmethod
