@@ -737,10 +737,12 @@ def test_graph_state_one_pass():
     assert graph_state(m, torch.device("cuda", 0))[1] != key
     m[1] = torch.nn.Linear(2, 2)                                     # a swapped submodule: new addresses
     assert len(graph_state(m, torch.device("cuda", 0))[1]) == len(key) + 2
-    m[0].weight_function = [lambda w: w]                     # on-the-fly LoRA
     m[2]._v = object()                                       # DynamicVRAM vbar weights
-    why, _ = graph_state(m, torch.device("cuda", 0))
-    assert len(why) == 2 and "per call" in why[1] and "Conv2d" in why[1], why
+    why, _ = graph_state(m, torch.device("cuda", 0))          # (the CPU weights before it are named too)
+    assert len(why) == 2 and "offloaded" in why[0] and "per call" in why[1] and "GroupNorm" in why[1], why
+    m[0].weight_function = [lambda w: w]                     # on-the-fly LoRA, on the first layer:
+    why, _ = graph_state(m, torch.device("cuda", 0))          # the walk stops there (nothing else needed)
+    assert len(why) == 1 and "per call" in why[0] and "Conv2d" in why[0], why
 
 
 # ----------------------------------------------------------------------------- per-block graphs
