@@ -36,6 +36,18 @@ VAE_CHANNELS = (128, 256, 512)
 VAE_UPSAMPLE_CHANNELS = (256, 512)
 
 
+# the (op, backend) of each entry of ``warm_calls``, in its order, without building its test tensors
+# (~20-50 ms of CPU randn and copies: a caller that only needs to know what is left to warm reads these)
+WARM_NAMES = (
+    ("ln_modulate", "numba"), ("gated_residual", "numba"), ("gated_residual_ln_modulate", "numba"),
+    ("qk_norm_rope", "numba"), ("gelu_tanh", "numba"), ("attention", "numba"), ("attention", "numba-8bit"),
+    ("groupnorm_silu", "numba"), ("groupnorm_silu_nhwc", "numba"), ("upsample_nearest2x", "numba"),
+    ("bias_residual_nhwc", "numba"), ("vae_attention", "numba"), ("ln_modulate_fp8", "numba"),
+    ("gated_residual_ln_modulate_fp8", "numba"), ("quantize_fp8", "numba"), ("gelu_tanh_fp8", "numba"),
+    ("attn_gelu_fp8", "numba"),
+)
+
+
 def warm_calls(device, call=None) -> List[Tuple[str, str, Callable]]:
     """(op, backend, fn) for every Numba backend, at small shapes with FLUX's widths (and the FLUX
     VAE decoder's channel counts, each variant the NHWC decoder calls).  ``fn()`` runs the op

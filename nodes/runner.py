@@ -562,14 +562,14 @@ def warm_kernels(unique_id, opts) -> dict:
     if opts["profile"] in FAST_PROFILES:
         from ..flux_core import fast
         fp8 = fast.support("cuda") is None  # elsewhere the fast profile runs exact (logged at the first step)
-    calls = [c for c in warmup.warm_calls("cuda")
-             if (c[0] in warmup.FP8_OPS and fp8)
-             or (c[0] == "attention" and c[1] in want_attn)
-             or (c[0] not in warmup.FP8_OPS + warmup.VAE_OPS and c[0] != "attention" and opts["route_norms"])]
-    out = {}
-    calls = [c for c in calls if (c[0], c[1]) not in _WARMED]
-    if not calls:
+    want = {(op, b) for op, b in warmup.WARM_NAMES
+            if (op in warmup.FP8_OPS and fp8) or (op == "attention" and b in want_attn)
+            or (op not in warmup.FP8_OPS + warmup.VAE_OPS and op != "attention" and opts["route_norms"])}
+    want -= _WARMED
+    if not want:  # (checked before warm_calls builds its test tensors: ~20-50 ms of host work)
         return {"warm": "all kernels of this patch were warmed earlier in this process"}
+    calls = [c for c in warmup.warm_calls("cuda") if (c[0], c[1]) in want]
+    out = {}
     build = prebuild.current()
     if build is not None and not build.done.is_set():
         # the kernels are being built in the background (first start after an install or update):

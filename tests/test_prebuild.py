@@ -252,7 +252,9 @@ def test_patch_node_warms_each_kernel_once_per_process(monkeypatch):
         begin = step = staticmethod(lambda *a, **k: None)
     monkeypatch.setattr(progress, "compile_progress", lambda *a, **k: contextlib.nullcontext(Prog()))
     calls = [("ln_modulate", "numba", None), ("gated_residual", "numba", None), ("attention", "numba-8bit", None)]
-    monkeypatch.setattr(warmup, "warm_calls", lambda device: calls)
+    built = []
+    monkeypatch.setattr(warmup, "warm_calls", lambda device: built.append(1) or calls)
+    monkeypatch.setattr(warmup, "WARM_NAMES", tuple((op, b) for op, b, _ in calls))
     ran, fail = [], {"gated_residual"}
 
     def warm_all(device, backends=None, on_begin=None, on_step=None):
@@ -269,4 +271,10 @@ def test_patch_node_warms_each_kernel_once_per_process(monkeypatch):
     fail.clear()
     runner.warm_kernels(None, opts)
     out = runner.warm_kernels(None, opts)
-    assert len(ran) == 3 and "warm" in out
+    assert len(ran) == 3 and "warm" in out and len(built) == 3, "nothing left: no test tensors built either"
+
+
+def test_warm_names_list_the_warm_calls():
+    """``warmup.WARM_NAMES`` (what the patch node checks before building any test tensor) names every
+    entry of ``warm_calls``, in order."""
+    assert tuple((op, b) for op, b, _ in warmup.warm_calls("cpu", call=lambda *a, **k: None)) == warmup.WARM_NAMES
