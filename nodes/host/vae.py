@@ -8,6 +8,9 @@ and ``Upsample.forward(x, conv_carry_in, conv_carry_out)`` (v0.8.0 takes the sam
 extra arguments defaulted); the attention is ComfyUI's choice (``pytorch_attention`` -> the pack's
 ``vae_attention``).  Patched call sites (2-D decoders only; anything else runs the stock forward):
 ResnetBlock, AttnBlock, Decoder (norm_out + nonlinearity, the NHWC body), Upsample.
+Under DynamicVRAM the NHWC decode stages all decoder weights once (``staged_block``) and the low-res
+graph keys on their residency (``_graph_state``); a re-run of the node on the same VAE and options hands
+out the same patched decoder (``_reused_decoder``).
 """
 from __future__ import annotations
 
