@@ -1101,3 +1101,17 @@ def test_conds_wrapper_runs_inside_comfys_sampler_and_changes_nothing(comfy, mon
         got = _sample(pm, latent, **kw)
         assert calls and calls[-1] >= 3, calls  # context, pooled vector, guidance (and the negative's)
         assert torch.allclose(got, stock, rtol=1e-5, atol=1e-5), rel_err(got, stock)
+
+
+def test_run_innermost_keeps_working_where_the_chain_cannot_be_rebuilt():
+    """An executor this code cannot rebuild (another ComfyUI's constructor): the wrapper's work runs
+    where it stands, nothing raised -- the model still runs (its graph stays off, with the reason)."""
+    from flux_numba_pack.nodes.host import wrappers as W
+
+    class Odd:
+        def __init__(self, original, class_obj, wrappers, idx, extra_required):
+            pass
+    ex = Odd.__new__(Odd)
+    ex.original, ex.class_obj, ex.wrappers, ex.idx = (lambda *a: "model"), None, ["ours", "inner"], 0
+    assert W.inner_wrappers(ex) == ["inner"]
+    assert W.run_innermost(ex, lambda executor, *a: ("fn", executor is ex, a), 1, 2) == ("fn", True, (1, 2))

@@ -43,9 +43,16 @@ def run_innermost(executor, fn, *args, **kwargs):
     wrapper that must see only the model's own forward (a CUDA graph over it) stays inside wrappers
     added after it (EasyCache's host-side decisions and ``.item()`` reads then run outside the graph).
     The other wrappers see the same arguments and the same result: ours adds nothing of its own.
-    Only where ``inner_wrappers(executor)`` sees the chain."""
-    chain = type(executor)(executor.original, executor.class_obj, inner_wrappers(executor) + [fn], 0)
-    return chain.execute(*args, **kwargs)
+    Only where ``inner_wrappers(executor)`` sees the chain; where this ComfyUI's executor cannot be
+    rebuilt that way (another constructor), ``fn`` runs where it stands (the wrappers stay inside it:
+    its graph then stays off, with the reason logged)."""
+    try:
+        chain = type(executor)(executor.original, executor.class_obj, inner_wrappers(executor) + [fn], 0)
+        run = chain.execute
+    except Exception as e:
+        log.info("[flux_numba] cannot reorder the diffusion-model wrappers (%s: %s)", type(e).__name__, e)
+        return fn(executor, *args, **kwargs)
+    return run(*args, **kwargs)
 
 
 def wrapped_object(executor):
