@@ -48,6 +48,11 @@ WARM_NAMES = (
 )
 
 
+def warm_name(op: str, backend: str) -> str:
+    """The name ``warm_all`` reports an (op, backend) under."""
+    return op if backend == "numba" else f"{op}/{backend}"
+
+
 def warm_calls(device, call=None) -> List[Tuple[str, str, Callable]]:
     """(op, backend, fn) for every Numba backend, at small shapes with FLUX's widths (and the FLUX
     VAE decoder's channel counts, each variant the NHWC decoder calls).  ``fn()`` runs the op
@@ -117,7 +122,7 @@ def warm_all(device="cuda", on_begin: Callable = None, on_step: Callable = None,
     for op, backend, fn in warm_calls(device):
         if backends is not None and (op, backend) not in backends:
             continue
-        name = op if backend == "numba" else f"{op}/{backend}"
+        name = warm_name(op, backend)
         if on_begin:
             on_begin(name)
         before = _cache_files()

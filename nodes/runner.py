@@ -565,10 +565,10 @@ def warm_kernels(unique_id, opts) -> dict:
     want = {(op, b) for op, b in warmup.WARM_NAMES
             if (op in warmup.FP8_OPS and fp8) or (op == "attention" and b in want_attn)
             or (op not in warmup.FP8_OPS + warmup.VAE_OPS and op != "attention" and opts["route_norms"])}
-    want -= _WARMED
-    if not want:  # (checked before warm_calls builds its test tensors: ~20-50 ms of host work)
+    # by name only: warm_all builds the test tensors (~20-50 ms of host work) for what is left
+    calls = [n for n in warmup.WARM_NAMES if n in want and n not in _WARMED]
+    if not calls:
         return {"warm": "all kernels of this patch were warmed earlier in this process"}
-    calls = [c for c in warmup.warm_calls("cuda") if (c[0], c[1]) in want]
     out = {}
     build = prebuild.current()
     if build is not None and not build.done.is_set():
@@ -586,12 +586,12 @@ def warm_kernels(unique_id, opts) -> dict:
         if not calls:
             return out
     with compile_progress(unique_id, total=len(calls)) as prog:
-        res = warmup.warm_all("cuda", backends={(c[0], c[1]) for c in calls}, on_begin=prog.begin,
+        res = warmup.warm_all("cuda", backends=set(calls), on_begin=prog.begin,
                               on_step=lambda name, cached, dt, err: prog.step(name + (f" FAILED ({err})" if err else ""),
                                                                               cached=cached))
     out.update({k: {"s": round(v["seconds"], 2), "cached": v["cached"], "error": v["error"]} for k, v in res.items()})
-    for op, backend, _ in calls:
-        r = res.get(op if backend == "numba" else f"{op}/{backend}")  # (warm_all's result names)
+    for op, backend in calls:
+        r = res.get(warmup.warm_name(op, backend))
         if r is not None and r["error"] is None:
             _WARMED.add((op, backend))
     return out

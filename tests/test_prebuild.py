@@ -271,7 +271,7 @@ def test_patch_node_warms_each_kernel_once_per_process(monkeypatch):
     fail.clear()
     runner.warm_kernels(None, opts)
     out = runner.warm_kernels(None, opts)
-    assert len(ran) == 3 and "warm" in out and len(built) == 3, "nothing left: no test tensors built either"
+    assert len(ran) == 3 and "warm" in out and not built, "the node itself never builds the test tensors"
 
 
 def test_warm_names_list_the_warm_calls():
