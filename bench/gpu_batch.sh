@@ -12,6 +12,8 @@
 #   vae                     bench/gpu_vae.py --decoder-only (v0.8.0 and v0.33.0)
 #   servers                 one server per SERVERS entry (TAG|TREE|FLAGS|CASES|REPEAT|EXTRA ARGS;...)
 #   launch                  bench/gpu_launch_cost.py (host us per kernel launch by route)
+#   attn                    bench/gpu_attn_kernels.py (attention kernels at [1,24,4608,128])
+#   pytest                  tests on the GPU (PYTEST_ARGS files / options, PYTEST_K a -k expression)
 set -u
 OUT=${OUT:-/tmp/out}
 . bench/gpu_setup.sh > "$OUT/setup.txt" 2>&1; set +e
@@ -54,6 +56,11 @@ for part in ${PARTS:-server033 bench vae}; do
       COMFYUI_PATH=$COMFY080 timeout ${BENCH_T:-220} python3 bench.py \
         --variants ${VARIANTS:-stock,exact,exact+graph,fast,fast+graph,fast-cached,fast-cached+graph,attn8} \
         --reps 5 ${BENCH_ARGS:-} --json "$R/bench.json" > "$R/bench.txt" 2>&1;;
+    attn)     # the attention kernels at the FLUX shape (bench/gpu_attn_kernels.py)
+      OUT=$R timeout ${ATTN_T:-200} python3 bench/gpu_attn_kernels.py > "$R/attn.txt" 2>&1;;
+    pytest)   # GPU runs of tests (PYTEST_ARGS, e.g. "tests/test_attention.py -k 8bit")
+      FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=$COMFY080 timeout ${PYTEST_T:-300} python3 -m pytest -q -x ${PYTEST_ARGS:-tests/test_attention.py} ${PYTEST_K:+-k "$PYTEST_K"} \
+        > "$R/pytest.txt" 2>&1;;
     vae)
       FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=$COMFY080 timeout ${VAE_T:-100} python3 bench/gpu_vae.py --decoder-only > "$R/vae080.txt" 2>&1;;
     *) echo "unknown part $part" > "$R/$part.txt";;

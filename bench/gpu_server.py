@@ -314,7 +314,42 @@ def _timed(name, fn, sync=False):
     return run
 
 
-comfy.sample.sample = _timed("sample", comfy.sample.sample, sync=True)
+def _pack_counts():
+    """The pack's graph counters summed over every patch in this process (nodes.runner._STATS):
+    diffusion-model calls, whole-step graph replays / eager steps, per-block replay / capture / eager."""
+    import sys
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        st = getattr(mod, "_STATS", None) if name.endswith("nodes.runner") else None
+        if not isinstance(st, dict):
+            continue
+        for s in list(st.values()):
+            for k in ("calls", "whole_replays", "whole_eager", "stock"):
+                out[k] = out.get(k, 0) + int(s.get(k, 0) or 0)
+            for k, v in (s.get("block_graphs") or {}).items():
+                if isinstance(v, int):
+                    out["block_" + k] = out.get("block_" + k, 0) + v
+    return out
+
+
+_graphs = {}
+
+
+def _counted_sample(fn):
+    def run(*a, **k):
+        before = _pack_counts()
+        try:
+            return fn(*a, **k)
+        finally:
+            after = _pack_counts()
+            for key, v in after.items():
+                d = v - before.get(key, 0)
+                if d:
+                    _graphs[key] = _graphs.get(key, 0) + d
+    return run
+
+
+comfy.sample.sample = _counted_sample(_timed("sample", comfy.sample.sample, sync=True))
 comfy.sd.VAE.decode = _timed("decode", comfy.sd.VAE.decode, sync=True)
 _save = nodes.SaveImage.save_images
 
@@ -325,7 +360,10 @@ def save_images(self, images, filename_prefix="ComfyUI", *a, **k):
         return _save(self, images, filename_prefix, *a, **k)
     finally:
         rec = dict(_acc, save=time.perf_counter() - t, case=filename_prefix)
+        if _graphs:
+            rec["graph_counts"] = dict(_graphs)
         _acc.clear()
+        _graphs.clear()
         with open(OUT, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -352,7 +390,7 @@ NODE_CLASS_MAPPINGS = {}
 '''
 
 KEYS = ("fallback", "kernel build", "building", "per-block", "profile fast", "FluxNumbaVAEPatch", "DynamicVRAM", "running ComfyUI's original block", "CUDA graph", "captured a CUDA graph", "is off for this model",
-        "FluxNumbaPatch", "Traceback", "Error", "error", "terminate called", "freeAsync")
+        "FluxNumbaPatch", "Traceback", "Error", "error", "terminate called", "freeAsync", "skipped")
 
 
 def write_weights(path, seed=0):
@@ -470,7 +508,9 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     a patched case ending in ``_eager`` runs with cuda_graph off (patched_eager: the eager host path);
     ``patched_sdpa``: exact with attention "sdpa" (ComfyUI's own attention call, stock's backend order);
     ``stock_cudnn`` / ``stock_flash``: stock with SDPA's cuDNN / FLASH backend first (controls for image
-    agreement: what a change of attention backend alone does); ``vae_*``: decode-only (``decode_graph``)."""
+    agreement: what a change of attention backend alone does); ``vae_*``: decode-only (``decode_graph``);
+    a cache case ending in ``_t<x>`` (``easycache_t1.0``) sets the cache node's reuse_threshold to x
+    (default 0.2, the node's own)."""
     if case in VAE_CASES:
         return decode_graph(case, res, seed, vae)
     name = prefix + case  # the SaveImage prefix: the case's full name (image_psnr pairs files by it)
@@ -480,6 +520,9 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     case = case[: -len("_eager")] if eager else case
     sdpa = case.endswith("_sdpa")  # the pack with ComfyUI's own attention call
     case = case[: -len("_sdpa")] if sdpa else case
+    thr = re.fullmatch(r"(.*cache)_t([0-9.]+)", case)  # easycache_t1.0: EasyCache with reuse_threshold 1.0
+    threshold = float(thr.group(2)) if thr else 0.2
+    case = thr.group(1) if thr else case
     control = {"stock_cudnn": "cudnn", "stock_flash": "flash"}.get(case)
     patched = case in ("patched", "patched_fast", "patched_fast_cached", "easycache", "lazycache")
     profile = {"patched_fast": "fast", "patched_fast_cached": "fast-cached"}.get(case, "exact")
@@ -508,7 +551,7 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     cache = {"easycache": "EasyCache", "stock_easycache": "EasyCache",
              "lazycache": "LazyCache", "stock_lazycache": "LazyCache"}.get(case)
     if cache:
-        g["cache"] = {"class_type": cache, "inputs": {"model": model, "reuse_threshold": 0.2, "start_percent": 0.15,
+        g["cache"] = {"class_type": cache, "inputs": {"model": model, "reuse_threshold": threshold, "start_percent": 0.15,
                                                       "end_percent": 0.95, "verbose": False}}
         model = ["cache", 0]
     g["ks"] = {"class_type": "KSampler", "inputs": {
@@ -563,7 +606,7 @@ def phase_medians(path, cases):
         if not runs:
             continue
         med = {}
-        for k in sorted({k for r in runs for k in r if k != "case"}):
+        for k in sorted({k for r in runs for k, v in r.items() if k != "case" and isinstance(v, (int, float))}):
             v = sorted(r[k] for r in runs if k in r)
             med[k] = round(v[len(v) // 2], 3)
         out[case] = med
@@ -834,6 +877,12 @@ def main():
                     if tot is not None else "")
             print(f"phases (median s, runs 2..N), {rec['comfyui']} {rec['flags'] or '(default)'} {case}: "
                   + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()) + rest)
+        for case in rec.get("phases_median_s", {}):
+            gc = [r.get("graph_counts") for r in rec.get("phases", []) if r.get("case") == case]
+            if any(gc):
+                print(f"pack graph counters per prompt (calls, whole-step replays / eager, blocks), {rec['comfyui']} "
+                      f"{rec['flags'] or '(default)'} {case}: " + "; ".join(
+                          ", ".join(f"{k} {v}" for k, v in sorted((g or {}).items())) or "-" for g in gc))
 
 
 if __name__ == "__main__":
