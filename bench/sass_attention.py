@@ -1,4 +1,4 @@
-"""Static instruction mix of the bf16 attention kernel's main loop (no GPU needed).
+"""Static instruction mix of an attention kernel's main loop (no GPU needed).
 
     python bench/sass_attention.py [--nvdisasm PATH] [--config BF16_MMA|BF16_WGMMA]
 Compiles a bf16 kernel (default: the mma.sync one, ``attention.configs.BF16_MMA``; D=128, no mask)
@@ -25,7 +25,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.error = lambda msg: ap.exit(2, f"sass_attention.py: error: {msg}\n")
     ap.add_argument("--nvdisasm", default="nvdisasm")
-    ap.add_argument("--config", default="BF16_MMA", choices=("BF16_MMA", "BF16_WGMMA"))
+    ap.add_argument("--config", default="BF16_MMA", choices=("BF16_MMA", "BF16_WGMMA", "INT8_WGMMA", "INT8_WGMMA_PV8"))
+    ap.add_argument("--dump", help="write the main loop's SASS to this file")
+    ap.add_argument("--per-token", action="store_true", help="8-bit kernels: per-token Q scales (qk_norm_rope's pack)")
     a = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ptx_hash_attention import die, need_tool, ptx_toolchain_missing
@@ -44,15 +46,21 @@ def main():
     from numba import cuda, types as nt
     from flux_numba_pack.cuda_kernels import attention as A
     I32, F32, i64 = nt.Array(nt.int32, 1, "A"), nt.Array(nt.float32, 1, "A"), nt.int64
-    sig = (I32, I32, I32, I32, F32) + (i64,) * 16 + (nt.float64,)
-    kern = A.build(getattr(A.configs, a.config), 128, False).kern
+    cfg = getattr(A.configs, a.config)
+    if a.config.startswith("INT8"):   # (q8, k8, v, qsc, ksc, o, mask, 11 ints, sl2, vsc)
+        sig = (I32, I32, I32, F32, F32, I32, F32) + (i64,) * 11 + (nt.float64, F32)
+        kern = A.build(cfg, 128, False, per_token=a.per_token).kern
+    else:
+        sig = (I32, I32, I32, I32, F32) + (i64,) * 16 + (nt.float64,)
+        kern = A.build(cfg, 128, False).kern
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
     ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.0", ptx, count=1, flags=re.M)
+    ptx = re.sub(r"^\.target sm_90\b(?!a)", ".target sm_90a", ptx, count=1, flags=re.M)   # wgmma needs sm_90a
     d = tempfile.mkdtemp()
     open(os.path.join(d, "k.ptx"), "w").write(ptx)
     r = subprocess.run([ptxas, "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"], cwd=d, capture_output=True, text=True)
     if r.returncode:
-        die(f"sass_attention.py: error: ptxas failed: {(r.stderr.strip().splitlines() or ['exit %d' % r.returncode])[-1][:200]}")
+        die(f"sass_attention.py: error: ptxas failed: {' | '.join((r.stderr.strip().splitlines() or ['exit %d' % r.returncode])[:3])[:400]}")
     print(" ".join(ln.strip() for ln in r.stderr.splitlines() if "Used" in ln))
     r = subprocess.run([nvdisasm, "-c", os.path.join(d, "k.cubin")], capture_output=True, text=True)
     if r.returncode:
@@ -64,7 +72,7 @@ def main():
         m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
         if m and labels.get(m.group(1), i) < i:
             st = labels[m.group(1)]
-            h = sum("HMMA" in sass[j] or "HGMMA" in sass[j] for j in range(st, i))
+            h = sum(re.search(r"\b(HMMA|[HIQ]GMMA)", sass[j]) is not None for j in range(st, i))
             if best is None or h > best[2]:
                 best = (st, i, h)
     if best is None:
@@ -75,7 +83,9 @@ def main():
         m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
         if m:
             ops[m.group(1)] += 1
-    print(f"main loop: {sum(ops.values())} instructions, {h} HMMA per KV tile")
+    if a.dump:
+        open(a.dump, "w").write("\n".join(sass[st:en + 1]) + "\n")
+    print(f"main loop: {sum(ops.values())} instructions, {h} HMMA / GMMA per KV tile")
     print(", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
 
 

@@ -43,7 +43,8 @@ class Bf16Config:
 class Int8Config:
     """kind "mma": int8 mma.sync m16n8k32 for S, bf16 m16n8k16 for P V, 64 x 64 tiles (the
     pre-pass's scale granularity).  kind "wgmma": 2 warpgroups on wgmma taking turns (``ping_pong``),
-    ``keys``-key tiles in a ``stages``-deep bulk-copy ring (``bulk``)."""
+    ``keys``-key tiles in a ``stages``-deep bulk-copy ring (``bulk``); ``pv8``: P V on wgmma e4m3
+    (P x 448 in fp8, V as tile_v8t's per-channel-scaled e4m3 V^T image) instead of bf16."""
     kind: str
     rows: int
     keys: int
@@ -51,6 +52,8 @@ class Int8Config:
     stages: int = 0
     bulk: bool = False
     ping_pong: bool = False
+    pv8: bool = False
+    cvt: str = "magic"      # wgmma: S's int32 -> fp32 by the magic bias ("magic") or I2F ("i2f")
 
     def __post_init__(self):
         if self.kind == "mma":
@@ -58,6 +61,8 @@ class Int8Config:
         elif self.kind == "wgmma":
             assert self.rows == 128 and self.warpgroups == 2 and self.keys % 64 == 0, self
             assert self.stages >= 3 and self.bulk and self.ping_pong, self
+            assert not self.pv8 or self.keys % 32 == 0, self
+            assert self.cvt in ("magic", "i2f"), self
         else:
             raise ValueError(f"unknown int8 attention kernel kind {self.kind!r}")
 
@@ -66,6 +71,7 @@ BF16_MMA = Bf16Config("mma", rows=64, keys=64)
 BF16_WGMMA = Bf16Config("wgmma", rows=128, keys=128, warpgroups=2, stages=3, bulk=True)
 INT8_MMA = Int8Config("mma", rows=64, keys=64)
 INT8_WGMMA = Int8Config("wgmma", rows=128, keys=128, warpgroups=2, stages=4, bulk=True, ping_pong=True)
+INT8_WGMMA_PV8 = Int8Config("wgmma", rows=128, keys=128, warpgroups=2, stages=4, bulk=True, ping_pong=True, pv8=True)
 
 
 def wgmma_ok(cc, D, simulator=False):
