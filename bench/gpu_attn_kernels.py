@@ -8,9 +8,9 @@ wgmma) and the two 8-bit kernels (mma, wgmma), each alone (inputs prepared outsi
 tile_kv images, pre-pass) and as the op (``numba_attention`` / ``numba_attention_8bit`` with that
 config, pre-pass and relayouts included), plus the 8-bit op fed by a qk_norm_rope-style per-token
 pack (the FLUX blocks' path).  Device time: 10 calls captured in one CUDA graph, median of 20
-replays / 10; cuDNN SDPA timed the same way in the same process.  Error: relative Frobenius
+replays / 10; cuDNN SDPA and comfy-kitchen's int8_attention timed the same way in the same process.  Error: relative Frobenius
 norm vs fp32 attention (bars: bf16 <= 1.1 x SDPA's, 8-bit <= 2%).  Reference numbers (H200,
-BENCHMARKS.md): bf16 wgmma op 0.61-0.62 ms, 8-bit wgmma op 0.66 (pack-fed 0.62), errors 0.228% /
+BENCHMARKS.md): bf16 wgmma op 0.61-0.62 ms, 8-bit wgmma op 0.65 (pack-fed 0.61), errors 0.228% /
 1.26%.  Prints a table last; JSON to $OUT/gpu_attn_kernels.json if $OUT is set.
 """
 import os
@@ -72,29 +72,16 @@ def kernel_int8(cfg, q, k, v, dst, marr):
     """The 8-bit kernel of cfg alone on the pre-pass's per-block scales (quantized beforehand)."""
     kern = A.build(cfg, D, False)
     q8, k8, qs, ks, Lp = [x.clone() if torch.is_tensor(x) else x for x in A.quantize_8bit_numba(q, k)]
-    vsc = torch.ones(1, device=q.device)
     if kern.tile_kv:
         k8 = A.tile_kv(k8.view(torch.int16), None, kern.tile_kv)[0].clone()
+        vv = A.tile_kv(v, None, kern.tile_kv)[0].clone()
         k8a = LA._words(k8)
-        if cfg.pv8:   # e4m3 V^T image + per-channel scales
-            inv, vsc = A.v8_scales(v)
-            v8 = A.tile_v8t(v, kern.tile_kv, inv).clone()
-            vw, vst = LA._words(v8.view(torch.int32)), (v8.stride(0) // 4, v8.stride(1) // 4, 0)
-        else:
-            vv = A.tile_kv(v, None, kern.tile_kv)[0].clone()
-            vw, vst = LA._words(vv), (vv.stride(0) // 2, vv.stride(1) // 2, vv.stride(2) // 2)
     else:
-        vw, vst, k8a = LA._words(v), (v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2), LA._arr(k8)
-    args = (LA._arr(q8), k8a, vw, LA._c_arr(qs), LA._c_arr(ks), LA._words(dst), marr, *vst,
-            dst.stride(0) // 2, dst.stride(1) // 2, 0, 0, 0, L, Lp, H, LA._LOG2E / D ** 0.5)
-    if cfg.kind == "wgmma":
-        args += (LA._f32_1d(vsc),)
+        vv, k8a = v, LA._arr(k8)
+    args = (LA._arr(q8), k8a, LA._words(vv), LA._c_arr(qs), LA._c_arr(ks), LA._words(dst), marr,
+            vv.stride(0) // 2, vv.stride(1) // 2, vv.stride(2) // 2, dst.stride(0) // 2, dst.stride(1) // 2,
+            0, 0, 0, L, Lp, H, LA._LOG2E / D ** 0.5)
     return lambda: LA._go(kern, L, B * H, args, q.device)
-
-
-def _wg8(stages, pv8, cvt="magic"):
-    return A.Int8Config("wgmma", rows=128, keys=128, warpgroups=2, stages=stages, bulk=True, ping_pong=True, pv8=pv8,
-                        cvt=cvt)
 
 
 def main():
@@ -112,11 +99,7 @@ def main():
     cc = A.capability(q.device)
     wg_ok = A.wgmma_ok(cc, D, DRY)
     bf = [C.BF16_MMA] + ([C.BF16_WGMMA] if wg_ok else [])
-    # the 8-bit wgmma kernel with bf16 P V (the kept default) and with e4m3 P V at 4 / 5 / 6 stages
-    # (a stage holds 16 KB of K8 + 16 KB of e4m3 V instead of 16 + 32 KB)
-    # S's int32 -> fp32 by I2F (the former code) vs the magic bias (default), each P V kind
-    i8 = [C.INT8_MMA] + ([_wg8(4, False, "i2f"), C.INT8_WGMMA, _wg8(4, True, "i2f"), C.INT8_WGMMA_PV8]
-                         + ([] if DRY else [_wg8(6, True)]) if wg_ok else [])
+    i8 = [C.INT8_MMA] + ([C.INT8_WGMMA] if wg_ok else [])
     print(f"sm_{cc[0]}{cc[1]}: default bf16 {A.select_bf16(cc, D)}, 8-bit {A.select_int8(cc, D)}", flush=True)
     for cfg in bf:
         name = f"bf16 {cfg.kind}"
@@ -128,7 +111,7 @@ def main():
     q8, k8, qs, ks, Lp, km = QK.quant8_reference(q, k)
     pk = QK.Quant8(q, k, q8, k8, qs.contiguous(), ks.contiguous(), km, Lp, {})
     for cfg in i8:
-        name = f"int8 {cfg.kind}" + (f" e4m3-PV s{cfg.stages}" if cfg.pv8 else "") + (" I2F" if cfg.cvt == "i2f" else "")
+        name = f"int8 {cfg.kind}"
         add(name, "kernel alone", kernel_int8(cfg, q, k, v, dst, marr), dst, ref, 0.02)
         add(name, "op (pre-pass + kernel)", lambda: A.numba_attention_8bit(q, k, v, out=dst, config=cfg), dst, ref, 0.02)
 
@@ -136,12 +119,6 @@ def main():
             dst, ref, 0.02)
     t = AC.graph_ms(lambda: A.quantize_8bit_numba(q, k))
     rows.append(("int8", "  pre-pass alone", f"{t:.4f} ms", "", "", ""))
-    if wg_ok:
-        inv, _ = A.v8_scales(v)
-        t = AC.graph_ms(lambda: A.tile_v8t(v, 128, inv))
-        rows.append(("e4m3 V", "  tile_v8t alone", f"{t:.4f} ms", "", "", ""))
-        t = AC.graph_ms(lambda: A.v8_scales(v))
-        rows.append(("e4m3 V", "  v8_scales (torch amax)", f"{t:.4f} ms", "", "", ""))
     try:   # comfy-kitchen's int8 attention (SageAttention-style; what ComfyUI's own int8 path runs)
         import comfy_kitchen as ck
         if not DRY and ck.int8_attention_is_available():

@@ -25,7 +25,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.error = lambda msg: ap.exit(2, f"sass_attention.py: error: {msg}\n")
     ap.add_argument("--nvdisasm", default="nvdisasm")
-    ap.add_argument("--config", default="BF16_MMA", choices=("BF16_MMA", "BF16_WGMMA", "INT8_WGMMA", "INT8_WGMMA_PV8"))
+    ap.add_argument("--config", default="BF16_MMA", choices=("BF16_MMA", "BF16_WGMMA", "INT8_WGMMA"))
     ap.add_argument("--dump", help="write the main loop's SASS to this file")
     ap.add_argument("--per-token", action="store_true", help="8-bit kernels: per-token Q scales (qk_norm_rope's pack)")
     a = ap.parse_args()
@@ -47,8 +47,8 @@ def main():
     from flux_numba_pack.cuda_kernels import attention as A
     I32, F32, i64 = nt.Array(nt.int32, 1, "A"), nt.Array(nt.float32, 1, "A"), nt.int64
     cfg = getattr(A.configs, a.config)
-    if a.config.startswith("INT8"):   # (q8, k8, v, qsc, ksc, o, mask, 11 ints, sl2, vsc)
-        sig = (I32, I32, I32, F32, F32, I32, F32) + (i64,) * 11 + (nt.float64, F32)
+    if a.config.startswith("INT8"):   # (q8, k8, v, qsc, ksc, o, mask, 11 ints, sl2)
+        sig = (I32, I32, I32, F32, F32, I32, F32) + (i64,) * 11 + (nt.float64,)
         kern = A.build(cfg, 128, False, per_token=a.per_token).kern
     else:
         sig = (I32, I32, I32, I32, F32) + (i64,) * 16 + (nt.float64,)

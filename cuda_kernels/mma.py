@@ -40,7 +40,7 @@ Helpers (same signatures on both paths):
   bf16_lo(w) / bf16_hi(w) -> float32          unpack
 Hopper (sm_90a) warpgroup MMA -- the whole 128-thread warpgroup calls uniformly:
   wgmma_op(N, transb, kind="bf16") -> wg(acc, a0, a1, a2, a3, desc, scale_d, sm, scr)
-      m64nNk16 bf16 (m64nNk32 s8 / e4m3 with kind="s8" / "e4m3"), A from registers (each warp: its 16 rows in the
+      m64nNk16 bf16 (m64nNk32 s8 with kind="s8"), A from registers (each warp: its 16 rows in the
       mma.m16n8k16 / k32 A layout above), B from shared memory through a 64-bit descriptor:
       (addr >> 4) | (LBO >> 4) << 16 | (SBO >> 4) << 32, swizzle 0 ("interleave": each 8 x 16-byte
       core matrix is 128 contiguous bytes).  LBO = byte distance between core matrices along K,
@@ -209,11 +209,10 @@ if not SIMULATOR:
     def _wgmma(N, transb, kind="bf16"):
         NA = N // 2
         s8 = kind == "s8"
-        f8 = kind == "e4m3"   # 8-bit floats: both operands K-major, no transpose immediates
-        tail = ", p;\n}" if s8 else ", p, 1, 1;\n}" if f8 else ", p, 1, 1, " + str(int(transb)) + ";\n}"
+        tail = ", p;\n}" if s8 else ", p, 1, 1, " + str(int(transb)) + ";\n}"
         text = ("{\n.reg .pred p;\nsetp.ne.b32 p, $" + str(NA + 5) + ", 0;\n"
                 "wgmma.mma_async.sync.aligned.m64n" + str(N) +
-                ("k32.s32.s8.s8 {" if s8 else "k32.f32.e4m3.e4m3 {" if f8 else "k16.f32.bf16.bf16 {") +
+                ("k32.s32.s8.s8 {" if s8 else "k16.f32.bf16.bf16 {") +
                 ", ".join("$" + str(i) for i in range(NA)) + "}, {$" + str(NA) + ", $" + str(NA + 1) +
                 ", $" + str(NA + 2) + ", $" + str(NA + 3) + "}, $" + str(NA + 4) + tail)
         ac, at = ("r", _i32) if s8 else ("f", _f32)
@@ -248,9 +247,7 @@ if not SIMULATOR:
         """Device function wg(acc, a0, a1, a2, a3, desc, scale_d, sm, scr): acc (N/2 f32, local array)
         = A (64x16, registers) @ B (16xN, descriptor) + (acc if scale_d else 0).  B is K-major
         (transb=0) or MN-major (transb=1).  kind="s8": m64nNk32 int8 x int8 -> int32 (acc int32,
-        K-major B only); kind="e4m3": m64nNk32 fp8 e4m3 x e4m3 -> f32 (K-major B only).  Issue
-        only: wg_commit() + wg_wait0() before reading acc."""
-        assert kind in ("bf16", "s8", "e4m3") and not (transb and kind != "bf16"), (kind, transb)
+        K-major B only).  Issue only: wg_commit() + wg_wait0() before reading acc."""
         key = (N, bool(transb), kind)
         f = _wg_cache.get(key)
         if f is None:
@@ -590,23 +587,10 @@ else:
                     old = float(acc[4 * j + e]) if scale_d else 0.0
                     acc[4 * j + e] = np.float32(old + vals[e])
 
-    def _e4m3_table():
-        """The value of every e4m3 (fn) byte: sign, 4 exponent bits (bias 7), 3 mantissa bits;
-        exponent 0 = subnormals m * 2^-9; 0x7F / 0xFF NaN."""
-        t = np.zeros(256)
-        for c in range(256):
-            e, m = (c >> 3) & 0xF, c & 7
-            v = m * 2.0 ** -9 if e == 0 else (np.nan if (e == 15 and m == 7) else (1 + m / 8) * 2.0 ** (e - 7))
-            t[c] = -v if c & 0x80 else v
-        return t
-
-    _E4M3 = _e4m3_table()
-
     def _wg_product(scr, base, desc, sm, N, transb, kind):
         words = np.asarray(scr[base:base + 512]).astype(np.int64).astype(np.uint32).reshape(4, 32, 4)
         s8 = kind == "s8"
-        f8 = kind == "e4m3"
-        E = 4 if s8 or f8 else 2    # elements per 32-bit register
+        E = 4 if s8 else 2          # elements per 32-bit register
         K = 8 * E                   # 32 (int8) or 16 (bf16)
         A = np.zeros((64, K))
         for w in range(4):
@@ -619,8 +603,6 @@ else:
                     for e in range(E):
                         if s8:
                             A[row, col + e] = ((u >> (8 * e)) & 0xFF) - (256 if (u >> (8 * e)) & 0x80 else 0)
-                        elif f8:
-                            A[row, col + e] = _E4M3[(u >> (8 * e)) & 0xFF]
                         else:
                             A[row, col + e] = _bits_to_f32((u >> (16 * e)) & 0xFFFF)
         start, lbo, sbo, swz = _desc_fields(desc)
@@ -638,15 +620,11 @@ else:
                 if s8:
                     bt = (wd >> (8 * (addr % 4))) & 0xFF
                     B[k, n] = bt - 256 if bt & 0x80 else bt
-                elif f8:
-                    B[k, n] = _E4M3[(wd >> (8 * (addr % 4))) & 0xFF]
                 else:
                     B[k, n] = _bits_to_f32(_half(wd, (addr % 4) // 2))
         return A @ B
 
     def wgmma_op(N, transb, kind="bf16"):
-        assert kind in ("bf16", "s8", "e4m3") and not (transb and kind != "bf16"), (kind, transb)
-
         @cuda.jit(device=True)
         def f(acc, a0, a1, a2, a3, desc, scale_d, sm, scr):
             _wg_sim(acc, (a0, a1, a2, a3), desc, scale_d, sm, scr, N, transb, kind)

@@ -280,10 +280,9 @@ def _wg_layout(B, kind, transb):
     attention kernels use, and the descriptor's (LBO, SBO)."""
     import numpy as np
     K, N = B.shape
-    eb = 1 if kind in ("s8", "e4m3") else 2
+    eb = 1 if kind == "s8" else 2
     ce = 16 // eb                       # elements per 16-byte core-matrix row
     raw = (B.numpy().astype(np.int8).view(np.uint8) if kind == "s8"
-           else B.contiguous().view(torch.uint8).numpy() if kind == "e4m3"
            else B.contiguous().view(torch.int16).numpy().view(np.uint8).reshape(K, N, 2))
     img = np.zeros(K * N * eb, dtype=np.uint8)
     if not transb:   # K-major: chunk (n, k // ce) at (n // 8) * SBO + (k // ce) * LBO + (n % 8) * 16
@@ -296,7 +295,7 @@ def _wg_layout(B, kind, transb):
                 a = (n // 8) * sbo + (k // ce) * lbo + (n % 8) * 16 + (k % ce) * eb
             else:
                 a = (k // 8) * lbo + (n // ce) * sbo + (k % 8) * 16 + (n % ce) * eb
-            img[a:a + eb] = raw[k, n]
+            img[a:a + eb] = raw[k, n] if kind == "s8" else raw[k, n]
     return img.view(np.int32).copy(), lbo, sbo
 
 
@@ -337,7 +336,7 @@ def _wg_kernel(N, transb, kind, words, lbo, sbo):
     return k
 
 
-@pytest.mark.parametrize("kind,N,transb", [("bf16", 64, 0), ("bf16", 32, 1), ("s8", 64, 0), ("e4m3", 32, 0)])
+@pytest.mark.parametrize("kind,N,transb", [("bf16", 64, 0), ("bf16", 32, 1), ("s8", 64, 0)])
 def test_wgmma_descriptor_layout(kind, N, transb):
     """One warpgroup: A (64 x K) from registers in the mma.m16n8k16/k32 fragment layout, B from
     shared memory through a no-swizzle descriptor (K-major or MN-major).  On an H200
@@ -346,22 +345,17 @@ def test_wgmma_descriptor_layout(kind, N, transb):
     if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
     g = torch.Generator().manual_seed(4)
-    K = 32 if kind in ("s8", "e4m3") else 16
+    K = 32 if kind == "s8" else 16
     if kind == "s8":
         a = torch.randint(-127, 128, (64, K), generator=g, dtype=torch.int8)
         b = torch.randint(-127, 128, (K, N), generator=g, dtype=torch.int8)
         ref = a.int() @ b.int()
-    elif kind == "e4m3":   # fp8 values over e4m3's range, subnormals included (x 2^-9 .. 448)
-        f8 = torch.float8_e4m3fn
-        a = (torch.randn(64, K, generator=g) * torch.exp2(torch.randint(-9, 7, (64, K), generator=g).float())).to(f8)
-        b = (torch.randn(K, N, generator=g) * torch.exp2(torch.randint(-6, 3, (K, N), generator=g).float())).to(f8)
-        ref = a.double() @ b.double()
     else:
         a = torch.randn(64, K, generator=g).to(torch.bfloat16)
         b = torch.randn(K, N, generator=g).to(torch.bfloat16)
         ref = a.double() @ b.double()
     img, lbo, sbo = _wg_layout(b, kind, transb)
-    aw = a.contiguous().view(torch.uint8).view(torch.int32).numpy() if kind == "e4m3" else a.contiguous().view(torch.int32).numpy()
+    aw = a.contiguous().view(torch.int32).numpy()          # [64, 8] words
     d = np.zeros((64, N), dtype=np.int32 if kind == "s8" else np.float32)
     if runtime.SIMULATOR:
         _wg_kernel(N, transb, kind, img.size, lbo, sbo)[1, 128](aw, img, d)
@@ -369,12 +363,7 @@ def test_wgmma_descriptor_layout(kind, N, transb):
         dd = cuda.to_device(d)
         _wg_kernel(N, transb, kind, img.size, lbo, sbo)[1, 128](cuda.to_device(aw), cuda.to_device(img), dd)
         d = dd.copy_to_host()
-    if kind == "e4m3":  # Hopper's fp8 wgmma accumulates with fewer mantissa bits than fp32 (H200:
-        # ~1e-4 of the products' magnitudes) -- far finer than the e4m3 inputs' own 2^-4
-        mag = (a.double().abs() @ b.double().abs()).numpy()
-        assert (np.abs(d - ref.numpy()) <= 2e-3 * mag + 1e-3).all()
-    else:
-        assert np.allclose(d, ref.numpy(), rtol=1e-5, atol=1e-3)
+    assert np.allclose(d, ref.numpy(), rtol=1e-5, atol=1e-3)
 
 
 def _wgmma_at_d32():
@@ -397,45 +386,6 @@ def test_attention_8bit_wgmma(L):
     A.numba_attention_8bit(q, k, v, out=out, config=A.configs.INT8_WGMMA)
     assert not torch.isnan(out).any()
     assert rel(out, ref32(q, k, v)) < 3e-2
-
-
-@pytest.mark.parametrize("L", [40, 400])
-def test_attention_8bit_wgmma_pv8(L):
-    # int8 S + e4m3 P V (P x 448 in registers, tile_v8t's permuted V^T image, per-channel V scales):
-    # L=400 wraps the ring with a ragged last tile; channels of very different size (the scales)
-    B, H, D = 1, 1, 32
-    _wgmma_at_d32()
-    q, k, v = make(B, H, L, D, seed=23)
-    k = (k + 3.0).to(torch.bfloat16)
-    v = (v * torch.logspace(-2, 1.5, D, device=DEV)).to(torch.bfloat16)
-    out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
-    A.numba_attention_8bit(q, k, v, out=out, config=A.configs.INT8_WGMMA_PV8)
-    assert not torch.isnan(out).any()
-    assert rel(out, ref32(q, k, v)) < 4e-2
-
-
-@pytest.mark.parametrize("L,BN", [(40, 32), (130, 64)])
-def test_tile_v8t_layout(L, BN):
-    # the Numba kernel equals the reference; every value lands at (channel // 8) * BN * 8 + (key-chunk)
-    # * 128 + (channel % 8) * 16 + position of its key in V8_PERM, per tile; keys past L are zero
-    B, H, D = 2, 3, 32
-    v = (torch.randn(B, H, L, D, device=DEV) * 3).to(torch.bfloat16)
-    inv, sc = A.v8_scales(v)
-    assert torch.allclose(inv * sc, torch.ones_like(sc))
-    ref = A.tile_v8t_reference(v, BN, inv)
-    img = A.tile_v8t(v, BN, inv)
-    assert torch.equal(img, ref)
-    NT = -(-L // BN)
-    want = torch.zeros(B, H, NT, BN * D, dtype=torch.uint8)
-    q8 = (v.float() * inv[:, :, None, :]).to(torch.float8_e4m3fn).view(torch.uint8).cpu()
-    pos = {k: i for i, k in enumerate((0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15))}
-    for r in range(L):
-        rr = r % BN
-        for c in range(D):
-            want[:, :, r // BN, (c // 8) * BN * 8 + (rr // 16) * 128 + (c % 8) * 16 + pos[rr % 16]] = q8[:, :, r, c]
-    assert torch.equal(img.view(B, H, NT, BN * D).cpu(), want)
-    # the largest |v| of each channel maps to 448 exactly
-    assert (img.view(torch.float8_e4m3fn).float().abs().amax(-1) == 448).all()
 
 
 def test_select_and_configs():
@@ -548,14 +498,9 @@ sig = (I32, I32, I32, F32, F32, I32, F32) + (i64,) * 11 + (nt.float64,)
 ptx, _ = cuda.compile_ptx(A.build(A.configs.INT8_MMA, 32, True, per_token=True).kern.py_func, sig, cc=(9, 0),
                           fastmath=True)
 assert "mma.sync.aligned.m16n8k32" in ptx and "cp.async.cg" in ptx
-for cfg in (A.configs.INT8_WGMMA, A.configs.INT8_WGMMA_PV8):
-    ptx, _ = cuda.compile_ptx(A.build(cfg, 128, False, per_token=True).kern.py_func, sig + (F32,), cc=(9, 0),
-                              fastmath=True)
-    assert ("k32.f32.e4m3.e4m3" in ptx) == cfg.pv8 and "k32.s32.s8.s8" in ptx, cfg
-    assert cfg.pv8 or "k16.f32.bf16.bf16" in ptx
-TK = sys.modules["flux_numba_pack.cuda_kernels.attention.tile_kv"]
-ptx, _ = cuda.compile_ptx(TK._v8_kernel(128, 128).py_func, (I32, F32, I32) + (i64,) * 6, cc=(9, 0), fastmath=True)
-assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+ptx, _ = cuda.compile_ptx(A.build(A.configs.INT8_WGMMA, 128, False, per_token=True).kern.py_func, sig, cc=(9, 0),
+                          fastmath=True)
+assert "k32.s32.s8.s8" in ptx and "k16.f32.bf16.bf16" in ptx
 print("PTX OK")
 '''
 
@@ -656,23 +601,6 @@ def test_attention_8bit_default_hopper_d128(B, H, L, masked, fused):
         run_numba("numba-8bit", q, k, v, mask, out=out, q8=pk)
     else:
         run_numba("numba-8bit", q, k, v, mask, out=out)
-    assert not torch.isnan(out).any()
-    e = rel(out, ref32(q, k, v, mask))
-    assert e < 2e-2, e
-
-
-@pytest.mark.parametrize("B,H,L,masked", [(1, 3, 333, False), (2, 2, 1000, True), (1, 2, 64, False)])
-def test_attention_8bit_pv8_hopper_d128(B, H, L, masked):
-    # the int8 wgmma kernel with e4m3 P V at FLUX's head dim: ragged tails, a partial tile, masks,
-    # channels of very different size (per-channel V scales)
-    _hopper_gpu_only("test_attention_8bit_wgmma_pv8")
-    D = 128
-    q, k, v = make(B, H, L, D, seed=L + 5)
-    k = (k + 1.0).to(torch.bfloat16)
-    v = (v * torch.logspace(-2, 1.5, D, device=DEV)).to(torch.bfloat16)
-    mask = bool_mask(L, 7, 1) if masked else None
-    out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
-    A.numba_attention_8bit(q, k, v, mask, out=out, config=A.configs.INT8_WGMMA_PV8)
     assert not torch.isnan(out).any()
     e = rel(out, ref32(q, k, v, mask))
     assert e < 2e-2, e

@@ -62,7 +62,7 @@ from .. import runtime as _rt
 from ..registry import registry
 from .launch import (normalize_mask, Kernel, _cp_ok, _words_ok, _words, _f32_1d, _arr, _c_arr,  # noqa: F401
                      _launch, _go, _mask_args, _out_buffer, _LOG2E, _BN)
-from .tile_kv import tile_kv, tile_kv_reference, tile_v8t, tile_v8t_reference, v8_scales  # noqa: F401
+from .tile_kv import tile_kv, tile_kv_reference  # noqa: F401
 from .int8_format import (Quant8, quant8_reference, kmean_index, usable_pack, operands,  # noqa: F401
                           quantize_8bit, quantize_8bit_numba, _prepass)
 from . import config as configs  # noqa: F401  (the module; ``config`` is the backends' keyword)
@@ -214,16 +214,6 @@ def int8_wants_k(dev, D):
     return select_int8(capability(dev), D).kind == "mma"
 
 
-_vsc_dummies = {}
-
-
-def _vsc_stand_in(dev):
-    t = _vsc_dummies.get(str(dev))
-    if t is None:
-        t = _vsc_dummies[str(dev)] = torch.ones(1, dtype=torch.float32, device=dev)
-    return t
-
-
 def numba_attention_8bit(q, k, v, mask=None, out=None, q8=None, config=None):
     """The ``numba-8bit`` backend: ``q8`` (a Quant8 of these q / k) replaces the pre-pass;
     ``config`` (an Int8Config) overrides the selection."""
@@ -238,19 +228,11 @@ def numba_attention_8bit(q, k, v, mask=None, out=None, q8=None, config=None):
     (q8a, k8a, qsa, ksa), Lp = operands(q, k, pk, kernel.tile_kv)
     dst = _out_buffer(out, q)
     marr, mst = _mask_args(mask, B, H, L, q.device)
-    vsc = None
-    if getattr(cfg, "pv8", False):      # e4m3 V^T tiles + per-channel scales (the store applies them)
-        inv, vsc = v8_scales(v)
-        v8 = tile_v8t(v, kernel.tile_kv, inv)
-        vw, vst = _words(v8.view(torch.int32)), (v8.stride(0) // 4, v8.stride(1) // 4, 0)
-    else:
-        if kernel.tile_kv:              # wgmma: V as tile images for the bulk copies
-            v = tile_kv(v, None, kernel.tile_kv)[0]
-        vw, vst = _words(v), (v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2)
-    args = (q8a, k8a, vw, qsa, ksa, _words(dst), marr, *vst,
+    if kernel.tile_kv:                  # wgmma: V as tile images for the bulk copies
+        v = tile_kv(v, None, kernel.tile_kv)[0]
+    args = (q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,
+            v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
             dst.stride(0) // 2, dst.stride(1) // 2, mst[0], mst[1], mst[2], L, Lp, H, _LOG2E / math.sqrt(D))
-    if cfg.kind == "wgmma":             # the wgmma kernels' channel scales (unused without pv8)
-        args += (_f32_1d(vsc if vsc is not None else _vsc_stand_in(q.device)),)
     _go(kernel, L, B * H, args, q.device)
     return _finish(dst, out)
 

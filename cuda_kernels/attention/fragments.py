@@ -12,17 +12,9 @@ row0 = m0 + 16 warp + g and row0 + 8 (g = lane / 4) and, per 8-column n-tile, co
   make_q_frags Q's A fragments from shared memory into registers (ldmatrix.x4);
   make_qk_mma  S += Q K^T on mma.sync (bf16 m16n8k16 or int8 m16n8k32) from a padded K tile;
   make_wg_mma  the wgmma kernels' S / P V issue groups and the P packing;
-  make_wg_pv8  the same P V issue and packing with P in fp8 e4m3 (x P8_SCALE) on wgmma e4m3;
-  make_store_cols  make_store with a per-channel factor (the e4m3 V's scales) and a common one;
   make_load_rows  cp.async of 16-bit rows into padded shared rows (the mma kernels' K / V tiles).
 """
 from .launch import cuda, float32, _mma
-from .. import fp8_format as _f8
-
-# P (in [0, 1] after the running-max subtraction) is quantised as P x 448: e4m3's whole range, so
-# that probabilities down to ~1e-5 keep a nonzero code (P itself would flush below 2^-10); the row
-# sums stay in fp32 and the store divides by 448 (SageAttention2's static P scale)
-P8_SCALE = 448.0
 
 
 @cuda.jit(device=True, inline=True)
@@ -206,58 +198,3 @@ def make_load_rows(NTH, CH, RW):
             cp_async16(sm, sbase + (r * RW + cc * 4) * 4, g, gbase + row * gstride + cc * 4, nb)
 
     return load
-
-
-def make_store_cols(D):
-    """store(o, acc, l0, l1, obase, os1, row0, L, t, scrf, vsc, vb): ``make_store`` with column c
-    of O multiplied by vsc[vb + c] (the e4m3 V's per-channel scale); l0 / l1 carry any common
-    factor (P8_SCALE)."""
-    DT = D // 8
-    quad_sum, pack_bf16 = _mma.quad_sum, _mma.pack_bf16
-
-    @cuda.jit(device=True, inline=True)
-    def store(o, acc, l0, l1, obase, os1, row0, L, t, scrf, vsc, vb):
-        inv0 = float32(1) / quad_sum(l0, scrf)
-        inv1 = float32(1) / quad_sum(l1, scrf)
-        ob = obase + t
-        for nt in range(DT):
-            c0 = vsc[vb + nt * 8 + 2 * t]
-            c1 = vsc[vb + nt * 8 + 2 * t + 1]
-            if row0 < L:
-                o[ob + row0 * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 0] * inv0 * c0, acc[nt * 4 + 1] * inv0 * c1)
-            if row0 + 8 < L:
-                o[ob + (row0 + 8) * os1 + nt * 4] = pack_bf16(acc[nt * 4 + 2] * inv1 * c0, acc[nt * 4 + 3] * inv1 * c1)
-
-    return store
-
-
-def make_wg_pv8(BN, wg_pv):
-    """(pv, pack_p) for P V on wgmma m64nDk32 e4m3: ``pv(acc, pr, dv, sm, scr)`` issues BN / 32
-    k-steps (descriptor +256 bytes each: two 16-key core matrices of ``tile_v8t``'s image) and
-    commits; ``pack_p(pr, s)`` packs P x P8_SCALE (fp32, S's accumulator layout) into e4m3 A
-    fragments.  The A fragment of k-step kk wants, for thread (g, t), keys 4t..4t+3 (and 16 + ..)
-    of its row; S gives it keys 2t, 2t+1 of each 8-key n-tile.  No shuffle: register a0 takes
-    n-tiles 4kk and 4kk+1 (keys 2t, 2t+1, 8+2t, 9+2t), a2 n-tiles 4kk+2, 4kk+3, and tile_v8t stores
-    V's keys in the matching order (``V8_PERM``: k-position 4t+i of each 16 holds key 2t+i, i < 2,
-    else 8+2t+i-2) -- the product sums over keys, so the same permutation on both sides cancels."""
-    KS = BN // 32
-    wg_commit = _mma.wg_commit
-    e4m3x4 = _f8.e4m3x4
-    SC = float32(P8_SCALE)
-
-    @cuda.jit(device=True, inline=True)
-    def pv(acc, pr, dv, sm, scr):
-        for kk in range(KS):
-            wg_pv(acc, pr[kk * 4], pr[kk * 4 + 1], pr[kk * 4 + 2], pr[kk * 4 + 3], dv + kk * 16, 1, sm, scr)
-        wg_commit()
-
-    @cuda.jit(device=True, inline=True)
-    def pack_p(pr, s):
-        for kk in range(KS):
-            c = kk * 16
-            pr[kk * 4 + 0] = e4m3x4(s[c + 0] * SC, s[c + 1] * SC, s[c + 4] * SC, s[c + 5] * SC)
-            pr[kk * 4 + 1] = e4m3x4(s[c + 2] * SC, s[c + 3] * SC, s[c + 6] * SC, s[c + 7] * SC)
-            pr[kk * 4 + 2] = e4m3x4(s[c + 8] * SC, s[c + 9] * SC, s[c + 12] * SC, s[c + 13] * SC)
-            pr[kk * 4 + 3] = e4m3x4(s[c + 10] * SC, s[c + 11] * SC, s[c + 14] * SC, s[c + 15] * SC)
-
-    return pv, pack_p

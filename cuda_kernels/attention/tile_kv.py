@@ -3,7 +3,7 @@ image of the kernels' shared-memory tiles; ``_make_issue`` moves one tile with b
 import torch
 
 from .. import runtime as _rt
-from .launch import cuda, int32, int64, _mma
+from .launch import cuda, int64, _mma
 from .launch import _dwords
 
 
@@ -144,108 +144,3 @@ def tile_kv(k, v, BN):
         k.stride(0) // 4, k.stride(1) // 4, k.stride(2) // 4, v.stride(0) // 4, v.stride(1) // 4,
         v.stride(2) // 4, L, H, CH, G, total)
     return outs[0], (outs[1] if len(outs) > 1 else None)
-
-
-# ----------------------------------------------------------------------------- e4m3 V^T tiles
-# k-position p of every 16 in a tile_v8t row holds key V8_PERM[p] of those 16 (fragments.make_wg_pv8)
-V8_PERM = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
-
-
-def v8_scales(v):
-    """Per-(b, h, channel) scales of the e4m3 V: (inv [B, H, D] = 448 / amax, scale = amax / 448),
-    fp32, amax over the sequence floored at fp8_format.AMAX_FLOOR (a channel of zeros stays finite).
-    Per channel, not per token: the channel is the P V product's output column, so its factor is
-    applied once at the store; a per-key factor would sit inside the sum over keys."""
-    from ..fp8_format import AMAX_FLOOR, E4M3_MAX
-    amax = v.float().abs().amax(dim=2).clamp_min(AMAX_FLOOR)
-    c = torch.full_like(amax, E4M3_MAX)
-    return c / amax, amax / c
-
-
-def tile_v8t_reference(v, BN, inv):
-    """e4m3(v x inv) laid out as the 8-bit wgmma kernel's V tiles: [B, H, NT * BN * D] uint8, per
-    BN-key tile the K-major image of V^T (core matrices 8 channels x 16 keys, ordered (channel
-    group, 16-key chunk, channel, key)), the 16 keys of a chunk in V8_PERM order, keys past L zero."""
-    from ..fp8_format import E4M3_MAX, FP8
-    B, H, L, D = v.shape
-    NT = -(-L // BN)
-    x = (v.float() * inv[:, :, None, :]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8).view(torch.uint8)
-    xp = torch.zeros((B, H, NT * BN, D), dtype=torch.uint8, device=v.device)
-    xp[:, :, :L] = x
-    perm = torch.tensor(V8_PERM, device=v.device)
-    xp = xp.view(B, H, NT, BN // 16, 16, D)[:, :, :, :, perm]
-    img = xp.view(B, H, NT, BN // 16, 16, D // 8, 8).permute(0, 1, 2, 5, 3, 6, 4)
-    return img.contiguous().view(B, H, NT * BN * D)
-
-
-_v8_kerns = {}
-
-
-def _v8_kernel(BN, D):
-    """One block per (tile, b * h): the tile's BN x D values scaled and converted to e4m3 into
-    shared memory (row-major, coalesced 4-byte reads of bf16 pairs), then written as 16-byte
-    chunks of the image (four 32-bit words, contiguous per warp)."""
-    kern = _v8_kerns.get((BN, D))
-    if kern is not None:
-        return kern
-    from numba import uint8
-    from ..fp8_format import e4m3_1
-    from ..intrinsics import wrap_i32
-    NW = BN * D // 2
-    NC = BN * D // 16
-    KC = BN // 16
-    HD = D // 2
-    SMB = BN * D                # shared bytes (a plain constant: numba needs a literal shape)
-    bf16_lo, bf16_hi = _mma.bf16_lo, _mma.bf16_hi
-
-    @cuda.jit(fastmath=True)
-    def kern(v, inv, img, vs0, vs1, vs2, is0, L, H):
-        sm = cuda.shared.array(SMB, uint8)
-        tid = cuda.threadIdx.x
-        nt = cuda.blockIdx.x
-        bh = cuda.blockIdx.y
-        b = bh // H
-        h = bh - b * H
-        for i in range(tid, NW, cuda.blockDim.x):
-            key = i // HD
-            c = i - key * HD
-            row = nt * BN + key
-            e0 = 0
-            e1 = 0
-            if row < L:
-                w = v[b * vs0 + h * vs1 + row * vs2 + c]
-                e0 = e4m3_1(bf16_lo(w) * inv[bh * D + 2 * c])
-                e1 = e4m3_1(bf16_hi(w) * inv[bh * D + 2 * c + 1])
-            sm[key * D + 2 * c] = e0
-            sm[key * D + 2 * c + 1] = e1
-        cuda.syncthreads()
-        base = bh * is0 + nt * (BN * D // 4)
-        for ch in range(tid, NC, cuda.blockDim.x):
-            d8 = ch % 8
-            rest = ch // 8
-            kc = rest % KC
-            d = (rest // KC) * 8 + d8
-            r = kc * 16 * D + d
-            for j in range(4):          # word j: k-positions 4j..4j+3 = keys 2j, 2j+1, 8+2j, 9+2j
-                w = (int32(sm[r + (2 * j) * D]) | (int32(sm[r + (2 * j + 1) * D]) << 8)
-                     | (int32(sm[r + (8 + 2 * j) * D]) << 16) | (int32(sm[r + (9 + 2 * j) * D]) << 24))
-                img[base + ch * 4 + j] = wrap_i32(w)
-
-    _v8_kerns[(BN, D)] = kern
-    return kern
-
-
-def tile_v8t(v, BN, inv):
-    """``tile_v8t_reference`` in one Numba launch (v bf16 [B, H, L, D], last dim contiguous; inv
-    fp32 [B, H, D] contiguous)."""
-    from .launch import _words, _f32_1d
-    B, H, L, D = v.shape
-    NT = -(-L // BN)
-    if not (v.stride(-1) == 1 and all(st % 2 == 0 for st in v.stride()[:-1]) and v.storage_offset() % 2 == 0):
-        v = v.contiguous()
-    img = torch.empty((B, H, NT * BN * D), dtype=torch.uint8, device=v.device)
-    inv = inv.contiguous()
-    _v8_kernel(BN, D)[(NT, B * H), 256, _rt.stream()](
-        _words(v), _f32_1d(inv), _words(img.view(torch.int32)), v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
-        NT * BN * D // 4, L, H)
-    return img
