@@ -124,20 +124,14 @@ def make(cfg, D, has_mask, QTOK=False):
         ps0 = float32(0)
         ps1 = float32(0)
         for nt in range(NT):
-            fa = f00 if nt < 8 else f01
-            fb = f10 if nt < 8 else f11
-            p = exp2(s[nt * 4 + 0] * fa - x0)
-            s[nt * 4 + 0] = p
-            ps0 += p
-            p = exp2(s[nt * 4 + 1] * fa - x0)
-            s[nt * 4 + 1] = p
-            ps0 += p
-            p = exp2(s[nt * 4 + 2] * fb - x1)
-            s[nt * 4 + 2] = p
-            ps1 += p
-            p = exp2(s[nt * 4 + 3] * fb - x1)
-            s[nt * 4 + 3] = p
-            ps1 += p
+            for e in range(4):          # e < 2: row g, else row g + 8 (unrolled: constant trip counts)
+                if e < 2:
+                    p = exp2(s[nt * 4 + e] * (f00 if nt < 8 else f01) - x0)
+                    ps0 += p
+                else:
+                    p = exp2(s[nt * 4 + e] * (f10 if nt < 8 else f11) - x1)
+                    ps1 += p
+                s[nt * 4 + e] = p
         st[2] = st[2] * st[4] + ps0
         st[3] = st[3] * st[5] + ps1
 
