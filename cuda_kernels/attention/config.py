@@ -98,7 +98,7 @@ def select_int8(cc, D):
     #   wgbpf (int32-direct softmax, FS): 0.492-0.498 ms vs 0.487 (more registers: 254 vs 226)
     #   per-token K scales in the wgmma kernel: op 0.855 ms (spills) vs per-64-key scales 0.617
     #   torch pre-pass (the former environment knob): 1.11 ms vs the one-launch Numba pre-pass 0.091
-    # (tag attention-pv8-e4m3; H200, 2026-12-02 night runs 2-3, same process as the kept kernel):
+    # (tag attention-pv8-e4m3 = 722d0cf; H200, 2026-12-02 night runs 2-3, same process as the kept kernel):
     #   e4m3 P V on wgmma (P x 448, tile_v8t's e4m3 V^T, per-channel V scales): kernel 0.487-0.502 ms vs
     #   0.486-0.494, error 3.9% vs 1.26% (e4m3's 3-bit mantissa on P and V: 3.6% on random inputs in fp32
     #   emulation -- the 2% bar cannot hold with fp8 P V); S's int32 -> fp32 by the magic bias instead of
