@@ -201,6 +201,11 @@ def make(cfg, D, has_mask, QTOK=False):
         pack_p(pr, s)
 
         for j in range(ntiles):
+            # the next tile's K scales (global, L1-resident) load first: their index math and latency
+            # stay out of the turn below
+            kt = min((j + 1) * (BN // 64), nkt - 1)
+            ka = ksc[bh * nkt + kt]
+            kb2 = ksc[bh * nkt + min(kt + 1, nkt - 1)]
             # the next tile's copies go out before this iteration's wait for tile j+1 (a late
             # tile must not delay the issue of the one after it)
             if tid == ISSUER and j + STAGES - 1 < ntiles:
@@ -209,17 +214,18 @@ def make(cfg, D, has_mask, QTOK=False):
                 issue(sm, mbs, kb, mb, k, v, kbase, vbase, j + STAGES - 1, (j + STAGES - 1) % STAGES)
             if j + 1 < ntiles:
                 mbar_wait(mbs, mb + 8 * ((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
-            named_sync(1 + wg, NTH)             # this warpgroup's turn on the tensor cores
+            # descriptors before the turn: the turn (the other warpgroup waits for its hand-over)
+            # holds the wgmma issue only -- SASS (bench/sass_attention.py): 103 -> 37 instructions
+            # between the loop's bar.sync and bar.arrive; predicted a few % of the kernel, NOT yet
+            # measured on a GPU (the 2026-12-02 night device time ran out)
             # (phantom S(ntiles) in the last iteration, as in the bf16 kernel: all its columns >= L)
             dk = DK_HI | (int64(kb + ((j + 1) % STAGES) * SB) >> 4)
             dv = DV_HI | (int64(kb + (j % STAGES) * SB + TB8) >> 4)
+            named_sync(1 + wg, NTH)             # this warpgroup's turn on the tensor cores
             issue_qk(si, qf, dk, sm, scr)
             issue_pv(acc, pr, dv, sm, scr)
             named_arrive(2 - wg, NTH)           # the other warpgroup's turn
             wg_wait1()                          # S(j+1) done; P(j) V(j) may still run
-            kt = min((j + 1) * (BN // 64), nkt - 1)
-            ka = ksc[bh * nkt + kt]
-            kb2 = ksc[bh * nkt + min(kt + 1, nkt - 1)]
             if FOLD and (j + 2) * BN <= L:      # a full, unmasked tile: the factors ride in the FFMA
                 folded(si, s, st, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2, scrf)
             else:                               # masked or ragged: scale, then mask / -inf, then softmax
