@@ -58,7 +58,7 @@ for part in ${PARTS:-server033 bench vae}; do
         --reps 5 ${BENCH_ARGS:-} --json "$R/bench.json" > "$R/bench.txt" 2>&1;;
     attn)     # the attention kernels at the FLUX shape (bench/gpu_attn_kernels.py)
       OUT=$R timeout ${ATTN_T:-200} python3 bench/gpu_attn_kernels.py > "$R/attn.txt" 2>&1;;
-    pytest)   # GPU runs of tests (PYTEST_ARGS, e.g. "tests/test_attention.py -k 8bit")
+    pytest)   # GPU runs of tests (PYTEST_ARGS: files / options without spaces inside one; PYTEST_K: a -k expression)
       FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=$COMFY080 timeout ${PYTEST_T:-300} python3 -m pytest -q -x ${PYTEST_ARGS:-tests/test_attention.py} ${PYTEST_K:+-k "$PYTEST_K"} \
         > "$R/pytest.txt" 2>&1;;
     vae)

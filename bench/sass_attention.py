@@ -1,11 +1,13 @@
 """Static instruction mix of an attention kernel's main loop (no GPU needed).
 
-    python bench/sass_attention.py [--nvdisasm PATH] [--config BF16_MMA|BF16_WGMMA]
-Compiles a bf16 kernel (default: the mma.sync one, ``attention.configs.BF16_MMA``; D=128, no mask)
-to PTX for sm_90 with numba, assembles it with
-``ptxas -arch=sm_90a`` (on PATH), disassembles with ``nvdisasm`` (the nvidia-cuda-nvdisasm wheel
-ships one: nvidia/cu13/bin/nvdisasm) and counts the SASS opcodes of the loop that holds the
-HMMAs (the backward branch enclosing the most HMMA instructions).
+    python bench/sass_attention.py [--nvdisasm PATH] [--config BF16_MMA|BF16_WGMMA|INT8_WGMMA]
+                                   [--per-token] [--dump FILE]
+Compiles an attention kernel (default: the bf16 mma.sync one, ``attention.configs.BF16_MMA``; D=128,
+no mask; INT8_WGMMA with per-block or, ``--per-token``, per-token Q scales) to PTX for sm_90 with
+numba, assembles it with ``ptxas -arch=sm_90a`` (on PATH; the nvidia-cuda-nvcc wheel ships one),
+disassembles with ``nvdisasm`` (the nvidia-cuda-nvdisasm wheel: nvidia/cu13/bin/nvdisasm) and counts
+the SASS opcodes of the loop that holds the tensor-core instructions (the backward branch enclosing
+the most HMMA / HGMMA / IGMMA / QGMMA); ``--dump`` writes that loop's SASS to a file.
 """
 import argparse
 import collections
