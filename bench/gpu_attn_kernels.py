@@ -74,7 +74,7 @@ def kernel_int8(cfg, q, k, v, dst, marr):
     q8, k8, qs, ks, Lp = [x.clone() if torch.is_tensor(x) else x for x in A.quantize_8bit_numba(q, k)]
     if kern.tile_kv:
         k8 = A.tile_kv(k8.view(torch.int16), None, kern.tile_kv)[0].clone()
-        vv = A.tile_kv(v, None, kern.tile_kv)[0].clone()
+        vv = A.tile_kv(v, None, kern.tile_kv, chunk_major=kern.v_chunk_major)[0].clone()
         k8a = LA._words(k8)
     else:
         vv, k8a = v, LA._arr(k8)

@@ -351,6 +351,39 @@ if not SIMULATOR:
         """The float32 whose bits are the int32 w (a register move, no conversion)."""
         return _bits_f32(w)
 
+    @intrinsic
+    def _f32_bits(typingctx, x):
+        sig = types.int32(x)
+
+        def codegen(context, builder, s, args):
+            v = context.cast(builder, args[0], s.args[0], types.float32)
+            return builder.bitcast(v, _i32)
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def f32_bits(x):
+        """The int32 bits of the float32 x (a register move, no conversion)."""
+        return _f32_bits(x)
+
+    @intrinsic
+    def _fadd_rn(typingctx, a, b):
+        sig = types.float32(a, b)
+
+        def codegen(context, builder, s, args):
+            x = context.cast(builder, args[0], s.args[0], types.float32)
+            y = context.cast(builder, args[1], s.args[1], types.float32)
+            asm = ir.InlineAsm(ir.FunctionType(_f32, [_f32, _f32]), "add.rn.f32 $0, $1, $2;", "=f,f,f")
+            return builder.call(asm, [x, y])
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def fadd_rn(a, b):
+        """a + b rounded to nearest, opaque to fast-math reassociation (a rounding step that
+        ``(a + b) - b`` must not fold away)."""
+        return _fadd_rn(a, b)
+
 else:
     # ------------------------------------------------------------------ simulator fallbacks
     def _f32_to_bf16_bits(x):
@@ -537,6 +570,14 @@ else:
     @cuda.jit(device=True)
     def bits_f32(w):
         return np.array([w], dtype=np.int64).astype(np.uint32).view(np.float32)[0]
+
+    @cuda.jit(device=True)
+    def f32_bits(x):
+        return int(np.array([x], dtype=np.float32).view(np.int32)[0])
+
+    @cuda.jit(device=True)
+    def fadd_rn(a, b):
+        return np.float32(np.float32(a) + np.float32(b))
 
     @cuda.jit(device=True)
     def bf16_hi(w):

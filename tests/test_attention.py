@@ -521,16 +521,19 @@ def test_fused_8bit_kernels_compile_for_sm90():
     assert r.returncode == 0 and "PTX OK" in r.stdout, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("L,BN", [(40, 32), (64, 64), (5, 16)])
-def test_tile_kv_layout(L, BN):
+@pytest.mark.parametrize("L,BN,cm", [(40, 32, False), (64, 64, False), (5, 16, False), (40, 32, True),
+                                     (150, 64, True)])
+def test_tile_kv_layout(L, BN, cm):
     # every element lands at its shared-memory image position: byte (row // 8) * (D / 8) * 128 +
-    # (col // 8) * 128 + (row % 8) * 16 + (col % 8) * 2 of its tile; rows past L are zero
+    # (col // 8) * 128 + (row % 8) * 16 + (col % 8) * 2 of its tile (cm, chunk-major: (col // 8) *
+    # (BN / 8) * 128 + (row // 8) * 128 + ...); rows past L are zero
     B, H, D = 2, 3, 32
     x = torch.randn(B, H, L, D, device=DEV).to(torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
-    t = A.tile_kv_reference(x, BN)
-    kt, vt = A.tile_kv(x, (x * 2).to(torch.bfloat16), BN)      # the Numba kernel: both equal the reference
-    assert torch.equal(kt, t) and torch.equal(vt, A.tile_kv_reference((x * 2).to(torch.bfloat16), BN))
-    k1, none = A.tile_kv(x, None, BN)                          # K alone (the 8-bit kernel's int8 K)
+    t = A.tile_kv_reference(x, BN, chunk_major=cm)
+    kt, vt = A.tile_kv(x, (x * 2).to(torch.bfloat16), BN, chunk_major=cm)   # the Numba kernel = the reference
+    assert torch.equal(kt, t)
+    assert torch.equal(vt, A.tile_kv_reference((x * 2).to(torch.bfloat16), BN, chunk_major=cm))
+    k1, none = A.tile_kv(x, None, BN, chunk_major=cm)          # K alone (the 8-bit kernel's int8 K)
     assert none is None and torch.equal(k1, t)
     NT = -(-L // BN)
     assert t.shape == (B, H, NT * BN, D)
@@ -540,7 +543,10 @@ def test_tile_kv_layout(L, BN):
     for r in range(L):
         for c in range(D):
             rr = r % BN
-            pos = ((rr // 8) * (D // 8) * 128 + (c // 8) * 128 + (rr % 8) * 16 + (c % 8) * 2) // 2
+            if cm:
+                pos = ((c // 8) * (BN // 8) * 128 + (rr // 8) * 128 + (rr % 8) * 16 + (c % 8) * 2) // 2
+            else:
+                pos = ((rr // 8) * (D // 8) * 128 + (c // 8) * 128 + (rr % 8) * 16 + (c % 8) * 2) // 2
             want[:, :, r // BN, pos] = xc[:, :, r, c]
     assert torch.equal(flat, want)
 

@@ -229,7 +229,7 @@ def numba_attention_8bit(q, k, v, mask=None, out=None, q8=None, config=None):
     dst = _out_buffer(out, q)
     marr, mst = _mask_args(mask, B, H, L, q.device)
     if kernel.tile_kv:                  # wgmma: V as tile images for the bulk copies
-        v = tile_kv(v, None, kernel.tile_kv)[0]
+        v = tile_kv(v, None, kernel.tile_kv, chunk_major=kernel.v_chunk_major)[0]
     args = (q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,
             v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
             dst.stride(0) // 2, dst.stride(1) // 2, mst[0], mst[1], mst[2], L, Lp, H, _LOG2E / math.sqrt(D))

@@ -54,16 +54,20 @@ def make_rescale(D, LAZY):
     return rescale
 
 
-def make_store(D):
+def make_store(D, QUAD=True):
     """store(o, acc, l0, l1, obase, os1, row0, L, t, scrf): O / row sum as bf16 pairs into o (int32
-    words; obase = the (b, h) offset, os1 = the row stride), rows >= L not stored."""
+    words; obase = the (b, h) offset, os1 = the row stride), rows >= L not stored.  QUAD: l0 / l1
+    are this lane's partial sums (summed over the row's 4 lanes here); else the whole row's."""
     DT = D // 8
     quad_sum, pack_bf16 = _mma.quad_sum, _mma.pack_bf16
 
     @cuda.jit(device=True, inline=True)
     def store(o, acc, l0, l1, obase, os1, row0, L, t, scrf):
-        inv0 = float32(1) / quad_sum(l0, scrf)
-        inv1 = float32(1) / quad_sum(l1, scrf)
+        if QUAD:
+            l0 = quad_sum(l0, scrf)
+            l1 = quad_sum(l1, scrf)
+        inv0 = float32(1) / l0
+        inv1 = float32(1) / l1
         ob = obase + t
         if row0 < L:
             for nt in range(DT):
@@ -148,11 +152,12 @@ def make_qk_mma(KT, NP, RW, op):
     return qk
 
 
-def make_wg_mma(KT, PT, GB, wg_qk, wg_pv):
+def make_wg_mma(KT, PT, GB, wg_qk, wg_pv, QK_ACC=False):
     """(qk, pv, pack_p) of the wgmma kernels: ``qk(s, qf, dk, sm, scr)`` issues S = Q K^T (KT
-    k-steps; fence + commit), ``pv(acc, pr, dv, sm, scr)`` issues O += P V (PT k-steps; commit),
-    ``pack_p(pr, s)`` packs P (fp32) into the bf16 A fragments of the next P V.  dk / dv: the
-    K / V tiles' shared-memory descriptors (V: MN-major, GB bytes per 8-row group)."""
+    k-steps; fence + commit; QK_ACC: S += Q K^T onto what s holds), ``pv(acc, pr, dv, sm, scr)``
+    issues O += P V (PT k-steps; commit), ``pack_p(pr, s)`` packs P (fp32) into the bf16 A
+    fragments of the next P V.  dk / dv: the K / V tiles' shared-memory descriptors (V: MN-major,
+    GB bytes between the 8-row groups of keys)."""
     wg_fence, wg_commit, pack_bf16 = _mma.wg_fence, _mma.wg_commit, _mma.pack_bf16
     PR = PT * 4
     VSTEP = 2 * GB // 16
@@ -161,7 +166,8 @@ def make_wg_mma(KT, PT, GB, wg_qk, wg_pv):
     def qk(s, qf, dk, sm, scr):
         wg_fence()
         for kk in range(KT):
-            wg_qk(s, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3], dk + kk * 16, kk, sm, scr)
+            wg_qk(s, qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3], dk + kk * 16,
+                  1 if QK_ACC else kk, sm, scr)
         wg_commit()
 
     @cuda.jit(device=True, inline=True)

@@ -32,12 +32,14 @@ class Kernel:
     """A built attention kernel: ``kern[grid, threads, stream, dyn_smem](*args)`` with grid
     (ceil(L / rows), B * H).  tile_kv > 0: K and V are passed as ``tile_kv(x, tile_kv)`` images
     (the bulk-copy kernels).  dyn_smem > 0: that many bytes of dynamic shared memory, opted in
-    once per device before the first launch."""
+    once per device before the first launch.  v_chunk_major: V as ``tile_kv(v, None, tile_kv,
+    chunk_major=True)``."""
     kern: object
     rows: int
     threads: int
     tile_kv: int = 0
     dyn_smem: int = 0
+    v_chunk_major: bool = False
 
 
 def normalize_mask(mask):
