@@ -25,7 +25,8 @@ Kernels (one file each; ``config.select_bf16`` / ``select_int8`` pick one per de
                bulk copies (K / V re-laid out once by ``tile_kv``), S(j+1) issued with P(j) V(j).
   int8_mma     the bf16_mma structure with S on mma.sync m16n8k32 s8.
   int8_wgmma   the bf16_wgmma structure with S on wgmma s8, the two warpgroups ping-ponging
-               (named-barrier turns, stages released on mbarriers), a 4-stage ring.
+               (named-barrier turns, stages released on mbarriers), a 4-stage ring; V chunk-major
+               with a ones column (row sums from P V), a quarter of P's exp2 by a cubic on the FMA pipe.
 The wgmma kernels run on sm_90 at head dim 128 only (``config.wgmma_ok``).
 
 Shared pieces, imported one way (``launch`` <- ``fragments``, ``softmax``, ``tile_kv``,

@@ -13,14 +13,53 @@ from .softmax import _make_softmax
 from .tile_kv import _make_ring
 
 
-# Measured choices (H200, [1,24,4608,128], bench/gpu_attn_ab.py against the previous kernel in one process):
+# Measured choices (H200, [1,24,4608,128], kernel alone, bench/gpu_attn_ab.py: every variant in one process,
+# 7 interleaved rounds; 2026-12-02 late night run 3, BENCHMARKS.md "Attention"):
+#   the loop's ring bookkeeping on incremented 32-bit counters (no int64 division / modulo): 0.473 -> 0.433-0.442
+#   ONES + TAU + BIASACC together: 0.459 vs 0.458 without them (neutral alone, each 0.433 vs 0.442 in run 2), but
+#   the polynomial exp2 share gains on top of them only: EXP_POLY = 4 0.4475 ms (kept) vs 0.467 on the plain
+#   kernel; EXP_POLY = 2 0.4755 (more issue slots and 255 registers than the XU time it saves)
 ONES = True         # row sums from a ones column of V: P V on m64n136 (the FADD chains of the softmax gone)
 TAU = 8.0           # rescale threshold in log2 units: the running max moves only when a tile's max exceeds
                     # it by more than TAU (P <= 2^TAU; bf16 P and fp32 O keep their relative precision)
-BIASACC = True      # S accumulates onto the bits of 1.5 * 2^23: S + 1.5 * 2^23 as fp32 with no I2F
-EXP_POLY = 0        # every EXP_POLY-th 8-key n-tile's exp2 by a polynomial on the FMA pipe (0: all MUFU)
+BIASACC = True      # S accumulates onto the bits of 1.5 * 2^23: S + 1.5 * 2^23 as fp32 with no I2F (the
+                    # offset FB f + max rounds to fp32: ulp(FB f) / 2 in log2 units per (row, 64 keys) --
+                    # ~3e-5 at f ~ 1e-4, random / FLUX-like scales; ~0.03 at f ~ 0.06, 30x outlier channels)
+EXP_POLY = 4        # every EXP_POLY-th 8-key n-tile's exp2 by a polynomial on the FMA pipe (0: all MUFU):
+                    # the MUFU (XU, 16 per clock per SM) is the softmax's long pole (ncu: XU-bound waits)
 # 2^f on [-0.5, 0.5], degree 3 (relative error 7.5e-5; bf16 P rounds at 2^-9)
 _EC = (0.9999281167984009, 0.6932609677314758, 0.24261054396629333, 0.05517132207751274)
+_MAGIC = 12582912.0     # 1.5 * 2^23
+_XLO = -126.0
+
+
+def exp2_fma_reference(x):
+    """torch reference of ``exp2_fma`` (fp32 steps, same rounding): 2^x for x >= -126 (clamped)."""
+    import torch
+    x = x.float().clamp(min=_XLO)
+    t = x + _MAGIC
+    f = x - (t - _MAGIC)
+    c0, c1, c2, c3 = (torch.tensor(c, dtype=torch.float32) for c in _EC)
+    p = ((c3 * f + c2) * f + c1) * f + c0
+    bits = (p.view(torch.int32).long() + (t.view(torch.int32).long() << 23)) & 0xFFFFFFFF
+    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
+
+
+if cuda is not None:
+    _C0, _C1, _C2, _C3 = (float32(c) for c in _EC)
+    _M32, _XLO32 = float32(_MAGIC), float32(_XLO)
+
+    @cuda.jit(device=True, inline=True)
+    def exp2_fma(x):
+        """2^x on the FMA / ALU pipes: round x to an integer r by the 1.5 * 2^23 magic add (an
+        opaque add: fast-math must not fold (x + M) - M), 2^(x - r) by a cubic, r added to the
+        exponent bits (the magic's own bits shift out of the 32-bit word).  x >= -126 (clamped;
+        from -126 down the result is a denormal that the bf16 P flushes to zero)."""
+        x = max(x, _XLO32)
+        t = _mma.fadd_rn(x, _M32)
+        f = x - (t - _M32)
+        p = ((_C3 * f + _C2) * f + _C1) * f + _C0
+        return _mma.bits_f32(_mma.f32_bits(p) + (_mma.f32_bits(t) << 23))
 
 
 def make(cfg, D, has_mask, QTOK=False):
@@ -135,22 +174,6 @@ def make(cfg, D, has_mask, QTOK=False):
     NEG = float32(-3e38)
     ONE = float32(1)
     quad_max, exp2 = _mma.quad_max, _math.exp2
-    f32_bits, fadd_rn = _mma.f32_bits, _mma.fadd_rn
-    C0, C1, C2, C3 = (float32(c) for c in _EC)
-    MAGIC = float32(12582912.0)
-    XLO = float32(-126.0)
-
-    @cuda.jit(device=True, inline=True)
-    def exp2_fma(x):
-        """2^x on the FMA / ALU pipes: round x to an integer r by the 1.5 * 2^23 magic add (an
-        opaque add: fast-math must not fold (x + M) - M), 2^(x - r) by a cubic, r added to the
-        exponent bits (the magic's own bits shift out of the 32-bit word).  x >= -126 (clamped)."""
-        x = max(x, XLO)
-        t = fadd_rn(x, MAGIC)
-        f = x - (t - MAGIC)
-        p = ((C3 * f + C2) * f + C1) * f + C0
-        return bits_f32(f32_bits(p) + (f32_bits(t) << 23))
-
     @cuda.jit(device=True, inline=True)
     def moved(xn, old):
         """The running max after a tile whose max (with the old one) is xn: xn when it exceeds
