@@ -18,8 +18,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "cuda_kernels")
 
-EXP = ("p = exp2(s[nt * 4 + e] * (f00 if nt < 8 else f01) - (c00 if nt < 8 else c01))",
-       "p = exp2(s[nt * 4 + e] * (f10 if nt < 8 else f11) - (c10 if nt < 8 else c11))")
+EXP = ("s[nt * 4 + e] = exp2(y_of(",)
 CHANGES = {
     "noexp": [(e, e.replace("exp2(", "(", 1)) for e in EXP],
     "nosoftmax": [("                folded(si, s, st, q0 * ka, q0 * kb2, q1 * ka, q1 * kb2, scrf)",

@@ -183,6 +183,13 @@ def make(cfg, D, has_mask, QTOK=False):
         return xn
 
     @cuda.jit(device=True, inline=True)
+    def y_of(s, nt, e, f00, f01, f10, f11, c00, c01, c10, c11):
+        """The exp2 argument of S element (nt, e): (S + FB) f - (FB f + max) for its row and 64-key half."""
+        if e < 2:
+            return s[nt * 4 + e] * (f00 if nt < 8 else f01) - (c00 if nt < 8 else c01)
+        return s[nt * 4 + e] * (f10 if nt < 8 else f11) - (c10 if nt < 8 else c11)
+
+    @cuda.jit(device=True, inline=True)
     def folded(si, s, st, f00, f01, f10, f11, scrf):
         """``scaled`` + the online softmax of a full, unmasked tile with the factors folded in: the
         running max from the raw S per row and 64-key half times that half's factor (factors are
@@ -217,31 +224,22 @@ def make(cfg, D, has_mask, QTOK=False):
         c01 = FB * f01 + x0
         c10 = FB * f10 + x1
         c11 = FB * f11 + x1
-        ps0 = float32(0)
-        ps1 = float32(0)
         for nt in range(NT):            # (LLVM unrolls both loops fully: constant trip counts, small
             if EXP_POLY and nt % EXP_POLY == 0:     # bodies -- the local arrays stay in registers)
                 continue
             for e in range(4):          # e < 2: row g, else row g + 8
-                if e < 2:
-                    p = exp2(s[nt * 4 + e] * (f00 if nt < 8 else f01) - (c00 if nt < 8 else c01))
-                    ps0 += p
-                else:
-                    p = exp2(s[nt * 4 + e] * (f10 if nt < 8 else f11) - (c10 if nt < 8 else c11))
-                    ps1 += p
-                s[nt * 4 + e] = p
+                s[nt * 4 + e] = exp2(y_of(s, nt, e, f00, f01, f10, f11, c00, c01, c10, c11))
         if EXP_POLY:
             for ntp in range(NT // max(EXP_POLY, 1)):   # the FMA pipe's share
-                nt = ntp * EXP_POLY
                 for e in range(4):
-                    if e < 2:
-                        p = exp2_fma(s[nt * 4 + e] * (f00 if nt < 8 else f01) - (c00 if nt < 8 else c01))
-                        ps0 += p
-                    else:
-                        p = exp2_fma(s[nt * 4 + e] * (f10 if nt < 8 else f11) - (c10 if nt < 8 else c11))
-                        ps1 += p
-                    s[nt * 4 + e] = p
+                    nt = ntp * EXP_POLY
+                    s[nt * 4 + e] = exp2_fma(y_of(s, nt, e, f00, f01, f10, f11, c00, c01, c10, c11))
         if not ONES:
+            ps0 = float32(0)
+            ps1 = float32(0)
+            for nt in range(NT):
+                ps0 += s[nt * 4] + s[nt * 4 + 1]
+                ps1 += s[nt * 4 + 2] + s[nt * 4 + 3]
             st[2] = st[2] * st[4] + ps0
             st[3] = st[3] * st[5] + ps1
 
