@@ -192,15 +192,20 @@ if not SIMULATOR:
     _pack_bf16 = _pack2("bf16x2")
     _pack_f16 = _pack2("f16x2")
 
-    @intrinsic
-    def _bits_f32(typingctx, w):
-        sig = types.float32(w)
+    def _bitcast(src, dst, dst_ir):
+        """An intrinsic reinterpreting a 32-bit value (cast to ``src`` first) as ``dst``."""
+        @intrinsic
+        def _impl(typingctx, x):
+            sig = dst(x)
 
-        def codegen(context, builder, s, args):
-            v = context.cast(builder, args[0], s.args[0], types.int32)
-            return builder.bitcast(v, _f32)
+            def codegen(context, builder, s, args):
+                return builder.bitcast(context.cast(builder, args[0], s.args[0], src), dst_ir)
 
-        return sig, codegen
+            return sig, codegen
+        return _impl
+
+    _bits_f32 = _bitcast(types.int32, types.float32, _f32)
+    _f32_bits = _bitcast(types.float32, types.int32, _i32)
 
 
     # ---- Hopper warpgroup MMA (wgmma, sm_90a): bf16 x bf16 -> f32, B from a shared-memory descriptor,
@@ -350,16 +355,6 @@ if not SIMULATOR:
     def bits_f32(w):
         """The float32 whose bits are the int32 w (a register move, no conversion)."""
         return _bits_f32(w)
-
-    @intrinsic
-    def _f32_bits(typingctx, x):
-        sig = types.int32(x)
-
-        def codegen(context, builder, s, args):
-            v = context.cast(builder, args[0], s.args[0], types.float32)
-            return builder.bitcast(v, _i32)
-
-        return sig, codegen
 
     @cuda.jit(device=True, inline=True)
     def f32_bits(x):
