@@ -1,7 +1,9 @@
-"""Pieces shared by the attention GPU scripts (gpu_attention.py, gpu_attn8.py): the dry-run
-shims (CPU simulator smoke test of a script's flow), notes, the fp32 reference, event timing."""
+"""Pieces shared by the attention GPU scripts (gpu_attention.py, gpu_attn8.py, gpu_attn_kernels.py,
+gpu_attn_ab.py): the start-up (dry run or GPU, the repo root on sys.path), the dry-run shims (CPU
+simulator smoke test of a script's flow), notes, the fp32 reference, event timing."""
 import json
 import os
+import sys
 import time
 
 import torch
@@ -10,6 +12,19 @@ import torch.nn.functional as F
 DRY = False
 T0 = time.time()
 results = {}  # JSON of the run
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def script_env(var="FLUX_ATTN_DRYRUN"):
+    """A script's first step, before numba loads: DRY = the environment variable ``var`` is "1" (the
+    CPU simulator) else the real GPU path; the repo root first on sys.path (for ``_pack``)."""
+    dry = os.environ.get(var) == "1"
+    if dry:
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    else:
+        os.environ.setdefault("FLUX_NUMBA_REAL_GPU", "1")
+    sys.path.insert(0, ROOT)
+    return dry
 
 
 class _Ev:

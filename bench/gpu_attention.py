@@ -17,17 +17,12 @@ TFLOP/s = 4*B*H*L^2*D / t.  Bars: bf16 >= 400 TFLOP/s with err <= 1.1x SDPA's; 8
 with err <= 2%.  Never stops at the first failure; prints the table last; JSON to $OUT if set.
 """
 import os
-import sys
 import time
 import traceback
 
-DRY = os.environ.get("FLUX_ATTN_DRYRUN") == "1"  # CPU simulator smoke test of this script's flow
-if DRY:
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-else:
-    os.environ.setdefault("FLUX_NUMBA_REAL_GPU", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import _attn_common as AC  # bench/: this script's folder
+
+DRY = AC.script_env()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -38,8 +33,6 @@ _pack.load()
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import attention as A  # noqa: E402
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import _attn_common as AC  # noqa: E402
 from _attn_common import T0, note, rel, results, time_ms, graph_ms  # noqa: E402,F401
 
 AC.init(DRY)

@@ -21,18 +21,12 @@ kernel) vs the fused kernel alone, whole prologue+attention old vs fused, cuDNN 
 Never stops at the first failure; prints the table last.
 """
 import math
-import os
-import sys
 import time
 import traceback
 
-DRY = os.environ.get("FLUX_ATTN8_DRYRUN") == "1"
-if DRY:
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-else:
-    os.environ.setdefault("FLUX_NUMBA_REAL_GPU", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import _attn_common as AC  # bench/: this script's folder
+
+DRY = AC.script_env("FLUX_ATTN8_DRYRUN")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -44,8 +38,6 @@ from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import attention as A  # noqa: E402
 from flux_numba_pack.cuda_kernels import qk_norm_rope as QK  # noqa: E402
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import _attn_common as AC  # noqa: E402
 from _attn_common import T0, note, rel, ref32, results, time_ms, graph_ms  # noqa: E402,F401
 
 AC.init(DRY)

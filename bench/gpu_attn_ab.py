@@ -19,23 +19,16 @@ import importlib.util
 import os
 import statistics
 import sys
-import types
 
-DRY = os.environ.get("FLUX_ATTN_DRYRUN") == "1"
-if DRY:
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-else:
-    os.environ.setdefault("FLUX_NUMBA_REAL_GPU", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+import _attn_common as AC  # bench/: this script's folder
+
+DRY = AC.script_env()
 
 import torch  # noqa: E402
 
 import _pack  # noqa: E402
 
 _pack.numpy_compat()
-import _attn_common as AC  # noqa: E402
 
 AC.init(DRY)
 DEV = "cpu" if DRY else "cuda"

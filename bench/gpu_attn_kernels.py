@@ -13,18 +13,11 @@ norm vs fp32 attention (bars: bf16 <= 1.1 x SDPA's, 8-bit <= 2%).  Reference num
 BENCHMARKS.md): bf16 wgmma op 0.61-0.62 ms, 8-bit wgmma op 0.65 (pack-fed 0.61), errors 0.228% /
 1.26%.  Prints a table last; JSON to $OUT/gpu_attn_kernels.json if $OUT is set.
 """
-import os
-import sys
 import traceback
 
-DRY = os.environ.get("FLUX_ATTN_DRYRUN") == "1"
-if DRY:
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-else:
-    os.environ.setdefault("FLUX_NUMBA_REAL_GPU", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+import _attn_common as AC  # bench/: this script's folder
+
+DRY = AC.script_env()
 
 import torch  # noqa: E402
 
@@ -34,7 +27,6 @@ _pack.load()
 from flux_numba_pack.cuda_kernels import attention as A  # noqa: E402
 from flux_numba_pack.cuda_kernels import qk_norm_rope as QK  # noqa: E402
 from flux_numba_pack.cuda_kernels.attention import launch as LA  # noqa: E402
-import _attn_common as AC  # noqa: E402
 
 AC.init(DRY)
 DEV = "cpu" if DRY else "cuda"
