@@ -35,7 +35,7 @@ def make(outdir, name):
     path = os.path.join(dst, "attention", "int8_wgmma.py")
     text = open(path).read()
     for old, new in CHANGES[name]:
-        assert text.count(old) >= 1, (name, old)
+        assert text.count(old) == 1, (name, old)
         text = text.replace(old, new)
     open(path, "w").write(text)
     return dst
