@@ -65,6 +65,67 @@ def kernel_fn(A, q, k, v, dst):
     return lambda: (LA._go(kern, L, B * H, args, q.device), keep)[0]
 
 
+def op_parts(lab0, q, k, v, dst):
+    """Device times (3 graph timings each) of the tree's op pieces and of the fused path's chain
+    (qk_norm_rope with the int8 pack + the op) against qk_norm_rope + cuDNN, on the same inputs."""
+    A = sys.modules[f"abv_{lab0}.attention"]
+    QK = importlib.import_module(f"abv_{lab0}.qk_norm_rope")
+    cfg = A.configs.INT8_WGMMA
+    kern = A.build(cfg, D, False)
+    cm = getattr(kern, "v_chunk_major", False)
+    q8, k8, qs, ks, Lp, km = QK.quant8_reference(q, k)
+    pk = QK.Quant8(q, k, q8, k8, qs.contiguous(), ks.contiguous(), km, Lp, {})
+    pieces = {
+        "pre-pass Q + K": lambda: A.quantize_8bit_numba(q, k),
+        "K-only pre-pass (tiled K8)": lambda: A.int8_format._prepass(q, k, tiled=cfg.keys, konly=True),
+        "tile_kv(V)": (lambda: A.tile_kv(v, None, cfg.keys, chunk_major=True)) if cm
+        else (lambda: A.tile_kv(v, None, cfg.keys)),
+        "op (pre-pass + tile_kv + kernel)": lambda: A.numba_attention_8bit(q, k, v, out=dst, config=cfg),
+        "op fed by a per-token pack": lambda: A.numba_attention_8bit(q, k, v, out=dst, q8=pk, config=cfg),
+    }
+    # the fused FLUX path: qk_norm_rope over a [B, L, 3 H D] projection (+ RMSNorm scales, RoPE)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    qkv = torch.randn(B, L, 3 * H * D, device=DEV, generator=g).to(torch.bfloat16)
+    sc = (1 + 0.1 * torch.randn(D, device=DEV, generator=g)).to(torch.bfloat16)
+    ang = torch.rand(1, 1, L, D // 2, device=DEV, generator=g) * 6.283
+    pe = torch.stack([ang.cos(), -ang.sin(), ang.sin(), ang.cos()], -1).reshape(1, 1, L, D // 2, 2, 2)
+    parts = [(qkv, sc, sc)]
+    kind = "qv" if hasattr(QK, "VT_KEYS") else "q"
+    nqr = QK.numba_qk_norm_rope
+
+    def chain8():
+        r = nqr(parts, pe, H, 1e-6, quant8=kind)
+        return A.numba_attention_8bit(r[0], r[1], r[2], out=dst, q8=r[3], config=cfg)
+
+    def chain_cudnn():
+        r = nqr(parts, pe, H, 1e-6)
+        return A.cudnn_attention(r[0], r[1], r[2], out=dst)
+    r = nqr(parts, pe, H, 1e-6, quant8=kind)
+    pieces.update({
+        "qk_norm_rope": lambda: nqr(parts, pe, H, 1e-6),
+        f"qk_norm_rope quant8={kind}": lambda: nqr(parts, pe, H, 1e-6, quant8=kind),
+        f"op fed by qk_norm_rope's {kind} pack": lambda: A.numba_attention_8bit(r[0], r[1], r[2], out=dst, q8=r[3],
+                                                                               config=cfg),
+        "cuDNN on qk_norm_rope's q, k, v": lambda: A.cudnn_attention(r[0], r[1], r[2], out=dst),
+        f"chain qk_norm_rope({kind}) + 8-bit op": chain8,
+        "chain qk_norm_rope + cuDNN": chain_cudnn,
+    })
+    out = {}
+    for name, fn in pieces.items():
+        try:
+            out[name] = [AC.graph_ms(fn) for _ in range(1 if DRY else 3)]
+        except Exception as ex:
+            print(f"{lab0}: {name} FAILED: {type(ex).__name__}: {ex}", flush=True)
+    ref = AC.ref32(r[0], r[1], r[2])
+    chain8()
+    torch.cuda.synchronize()
+    errs[f"{lab0}: chain qk_norm_rope({kind}) + 8-bit op"] = AC.rel(dst, ref)
+    return out
+
+
+errs = {}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trees", nargs="+", help="LABEL=PATH of a cuda_kernels folder")
@@ -77,7 +138,7 @@ def main():
     q, k, v = [torch.randn(B, H, L, D, device=DEV, generator=g).to(torch.bfloat16) for _ in range(3)]
     ref = AC.ref32(q, k, v)
     dst = torch.empty(B, L, H * D, dtype=torch.bfloat16, device=DEV)
-    fns, errs = {}, {}
+    fns = {}
     for spec in a.trees:
         label, path = spec.split("=", 1)
         if a.profile and label != a.profile:
@@ -107,26 +168,11 @@ def main():
             times[lab].append(AC.graph_ms(fn))
         times["cuDNN SDPA"].append(AC.graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)))
         print(f"round {r}: " + ", ".join(f"{lab} {ts[-1]:.4f}" for lab, ts in times.items()), flush=True)
-    if a.parts:     # where the op's time goes besides the kernel (first tree)
-        lab0 = next(iter(fns))
-        A = sys.modules[f"abv_{lab0}.attention"]
-        QK = importlib.import_module(f"abv_{lab0}.qk_norm_rope")
-        cfg = A.configs.INT8_WGMMA
-        kern = A.build(cfg, D, False)
-        cm = getattr(kern, "v_chunk_major", False)
-        q8, k8, qs, ks, Lp, km = QK.quant8_reference(q, k)
-        pk = QK.Quant8(q, k, q8, k8, qs.contiguous(), ks.contiguous(), km, Lp, {})
-        pieces = {
-            "K-only pre-pass (tiled K8)": lambda: A.int8_format._prepass(q, k, tiled=cfg.keys, konly=True),
-            "tile_kv(V)": (lambda: A.tile_kv(v, None, cfg.keys, chunk_major=True)) if cm
-            else (lambda: A.tile_kv(v, None, cfg.keys)),
-            "op (pre-pass + tile_kv + kernel)": lambda: A.numba_attention_8bit(q, k, v, out=dst, config=cfg),
-            "op fed by a per-token pack": lambda: A.numba_attention_8bit(q, k, v, out=dst, q8=pk, config=cfg),
-        }
-        for name, fn in pieces.items():
-            ts = [AC.graph_ms(fn) for _ in range(3)]
-            times[f"{lab0}: {name}"] = ts
-            print(f"{lab0}: {name}: {ts}", flush=True)
+    if a.parts:     # where the op's time goes besides the kernel (every tree)
+        for lab0 in fns:
+            for name, ts in op_parts(lab0, q, k, v, dst).items():
+                times[f"{lab0}: {name}"] = ts
+                print(f"{lab0}: {name}: {ts}", flush=True)
     first = statistics.median(times[next(iter(fns))])
     rows = [("variant", "median ms", "min", "max", "vs first", "TFLOP/s", "error")]
     for lab, ts in times.items():

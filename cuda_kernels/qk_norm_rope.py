@@ -12,6 +12,8 @@
          for the numba-8bit attention, made in the same pass; see the section "8-bit attention
          prologue") or None (torch reference, or a layout the kernel does not quantize);
          quant8="q": Q alone (pack.k8 / ks / kmean None: the Hopper 8-bit kernel quantizes K itself).
+         quant8="qv": Q + V's tile image for the Hopper 8-bit kernel (pack.vt: its tile_kv of v
+         written by this pass, 28 MB more stores at FLUX 1024^2 instead of a 57 MB relayout launch).
 
 Numba backend ("numba", bf16 qkv, 1 or 2 parts, D in {4, 8, 16, 32, 64, 128}, every qkv row
 8-byte aligned -- else declined by check): grid (tokens, B, head chunks), blocks of <= 128
@@ -31,7 +33,6 @@ Bytes per call at FLUX 1024^2 (H*D = 3072, B = 1, 4608 tokens), floor at 3.7 TB/
   view/permute/rms_norm/cat/rope copies.)
 """
 import functools
-import math
 
 import numpy as np
 import torch
@@ -101,7 +102,7 @@ MAX_THREADS = 128
 LB = {"launch_bounds": (MAX_THREADS, 8)}
 
 
-def make_qk_kernel(VW=2, QUANT=0):
+def make_qk_kernel(VW=2, QUANT=0, VT=0):
     """qkv0/qkv1 [B, L_p, 3*H*Dw] int64 words; scales [2, 2, D/2] int64 (fp32 pairs; part, q|k);
     pe [Bp, Ltot, D] int64 (pair r: word 2r = (m[r,0,0], m[r,0,1]), 2r+1 = (m[r,1,0], m[r,1,1]));
     out [3, B, H, Ltot, Dw] int64.  A group of G = Dw/VW lanes per head; lane w owns words
@@ -112,15 +113,22 @@ def make_qk_kernel(VW=2, QUANT=0):
     kmean are placeholders, not read); 1 = also int8 Q: q8 int64 [2, B, H, Lp, D/8] (8 int8 per
     word; lane w owns word w), qsc f32 [2, B, H, Lp]; 2 = int8 Q and K (K less kmean f32 [B, H, D]).
     With QUANT the grid strides over Lp = q8.shape[3] tokens (tokens >= Ltot: zero int8 rows, no
-    bf16 stores, no loads)."""
-    assert QUANT in (0, 1, 2) and (QUANT == 0 or VW == 2)
+    bf16 stores, no loads).
+    VT (VW 2 only; 0 or the tile width in keys): v is also stored into vt (int64 words of a bf16
+    [B, H, Lt, D] buffer, Lt a multiple of VT) as the 8-bit wgmma kernel's V image,
+    tile_kv_reference(v, VT, chunk_major=True): lane w's 16 bytes are column chunk w of the token's
+    row, unit (((b H + h) Lt / VT + t / VT) (D / 8) + w) (VT / 8) + (t % VT) / 8) * 8 + t % 8.  Rows
+    >= Ltot are never written (the buffer is zeroed once)."""
+    assert QUANT in (0, 1, 2) and (QUANT == 0 or VW == 2) and (VT == 0 or (VW == 2 and VT % 8 == 0))
     RED = ik.RED_SMEM
     NE = 4 * VW  # elements of one vector per lane
     KQ = QUANT == 2
     pack8 = _quant_helpers()
     TINY = float32(1e-20)
 
-    def qk_kernel(qkv0, qkv1, scales, pe, out, q8, qsc, kmean, L0, has_pe, eps):
+    GPT = VT // 8
+
+    def qk_kernel(qkv0, qkv1, scales, pe, out, q8, qsc, kmean, vt, L0, has_pe, eps):
         smem = cuda.shared.array(RED, float32)
         wq = cuda.local.array(VW, int64)
         wk = cuda.local.array(VW, int64)
@@ -149,6 +157,9 @@ def make_qk_kernel(VW=2, QUANT=0):
         inv_d = float32(1) / float32(Dw * 4)
         Bp = pe.shape[0]
         wo = w * VW  # first word of this lane in a head vector
+        NTV = 0
+        if VT:
+            NTV = vt.shape[0] // (B * H * Dw * VT)   # V tiles per head
         b = cuda.blockIdx.y
         while b < B:
             pb = b
@@ -183,6 +194,11 @@ def make_qk_kernel(VW=2, QUANT=0):
                             wk[1] = t2[1]
                             t2 = ld2(row, (2 * H + h) * Dw + wo)
                             st2(out[2, b, h, t], wo, t2[0], t2[1])
+                            if VT:
+                                tv = t // VT
+                                tr = t - tv * VT
+                                st2(vt, 2 * (((((b * H + h) * NTV + tv) * (Dw // 2) + w) * GPT + tr // 8) * 8 + tr % 8),
+                                    t2[0], t2[1])
                         else:
                             wq[0] = row[h * Dw + wo]
                             wk[0] = row[(H + h) * Dw + wo]
@@ -283,22 +299,24 @@ def make_qk_kernel(VW=2, QUANT=0):
 
 _launchers = {}
 _scale_cache = {}
-_placeholders = {}  # device -> (pe, q8, qsc, kmean) stand-ins for arguments a launch does not read
+_placeholders = {}  # device -> (pe, q8, qsc, kmean, vt) stand-ins for arguments a launch does not read
 
 
-def _launcher(VW, QUANT=0):
-    return ik.cached_launcher(_launchers, (VW, QUANT), make_qk_kernel, VW, QUANT)
+def _launcher(VW, QUANT=0, VT=0):
+    return ik.cached_launcher(_launchers, (VW, QUANT, VT), make_qk_kernel, VW, QUANT, VT)
 
 
 def _placeholder(device):
-    """(pe, q8, qsc, kmean) stand-ins on ``device`` for arguments a launch does not read: pe when there
-    is none (``has_pe`` 0), the int8 outputs when the kernel writes no int8 copy (QUANT 0)."""
+    """(pe, q8, qsc, kmean, vt) stand-ins on ``device`` for arguments a launch does not read: pe when
+    there is none (``has_pe`` 0), the int8 outputs when the kernel writes no int8 copy (QUANT 0), vt
+    when it writes no V image (VT 0)."""
     d = _placeholders.get(device)
     if d is None:
         d = _placeholders[device] = (torch.zeros((1, 1, 2), dtype=torch.int64, device=device),
                                      torch.zeros((1, 1, 1, 1, 1), dtype=torch.int64, device=device),
                                      torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device),
-                                     torch.zeros((1, 1, 1), dtype=torch.float32, device=device))
+                                     torch.zeros((1, 1, 1), dtype=torch.float32, device=device),
+                                     torch.zeros(2, dtype=torch.int64, device=device))
     return d
 
 
@@ -315,12 +333,13 @@ def _ptx_cases():
     A = lambda dt, nd: nt.Array(dt, nd, "A")  # noqa: E731
     sig = (A(nt.int64, 3), A(nt.int64, 3), A(nt.int64, 3), A(nt.int64, 3), A(nt.int64, 5),
            nt.int64, nt.int64, nt.float32)
-    sig = sig[:5] + (A(nt.int64, 5), A(nt.float32, 4), A(nt.float32, 3)) + sig[5:]
+    sig = sig[:5] + (A(nt.int64, 5), A(nt.float32, 4), A(nt.float32, 3), A(nt.int64, 1)) + sig[5:]
     sig_m = sig[:4] + (A(nt.float32, 3), nt.int64, nt.int64, nt.int64, nt.int64, nt.float32)
     return {"qk_norm_rope w2": lambda: (make_qk_kernel(2), sig),
             "qk_norm_rope w1": lambda: (make_qk_kernel(1), sig),
             "qk_norm_rope q8": lambda: (make_qk_kernel(2, 2), sig),
             "qk_norm_rope q8 q only": lambda: (make_qk_kernel(2, 1), sig),
+            "qk_norm_rope q8 q + v tiles": lambda: (make_qk_kernel(2, 1, VT_KEYS), sig),
             "qk kmean": lambda: (make_kmean_kernel(), sig_m)}
 
 
@@ -412,27 +431,13 @@ def _pe_arr(pe, D, device):
 # D in QUANT_DIMS; otherwise the pack is None and attention falls back to its pre-pass.
 QUANT_DIMS = (32, 64, 128)
 # the format (smoothing tokens, the Quant8 pack, its torch reference) is the attention op's:
-from .attention.int8_format import KMEAN_SAMPLES, kmean_index, Quant8, quant8_reference  # noqa: E402,F401
+from .attention.int8_format import KMEAN_SAMPLES, kmean_index, Quant8, quant8_reference, pack8_factory, VT_KEYS  # noqa: E402,F401
 KM_SMEM = KMEAN_SAMPLES * 128  # floats: one row per sampled token
 
 
 def _quant_helpers():
-    """(pack8,): 8 fp32 * inv -> 8 int8 (round half up, clamp +-127) in one int64 word."""
-    wrap = ik.wrap_i64
-
-    @cuda.jit(device=True, inline=True)
-    def q1(x, inv):
-        y = int64(math.floor(x * inv + float32(0.5)))
-        return min(max(y, -127), 127) & 0xFF
-
-    @cuda.jit(device=True, inline=True)
-    def pack8(a, base, inv):
-        w = int64(0)
-        for e in range(8):
-            w |= q1(a[base + e], inv) << (8 * e)
-        return wrap(w)
-
-    return pack8
+    """(pack8,): 8 fp32 * inv -> 8 int8 (round half up, clamp +-127) in one int64 word (the format's)."""
+    return pack8_factory()
 
 
 def make_kmean_kernel():
@@ -559,19 +564,35 @@ def _q8_buffers(B, H, Lp, D, dev):
     return _rt.stream_scratch(_q8_scratch, (B, H, Lp, D, str(dev)), make)
 
 
-def _launch_quant(a0, a1, sc, pe_w, ow, q, k, B, H, D, L0, Ltot, has_pe, eps, nt, nz, dev, kq=True):
-    """kq=False: Q alone (no K-mean launch; the pack's k8 / ks / kmean are None)."""
+def _vt_buffer(B, H, Ltot, D, dev):
+    """V's tile image (bf16 [B, H, Lt, D], Lt = Ltot rounded up to VT_KEYS, zeroed once: rows >= Ltot
+    are never written) and its int64 view; per shape and stream like _q8_buffers."""
+    def make():
+        Lt = -(-Ltot // VT_KEYS) * VT_KEYS
+        vt = torch.zeros((B, H, Lt, D), dtype=torch.bfloat16, device=dev)
+        return vt, vt.view(torch.int64).reshape(-1)
+    return _rt.stream_scratch(_q8_scratch, ("vt", B, H, Ltot, D, str(dev)), make)
+
+
+def _launch_quant(a0, a1, sc, pe_w, ow, q, k, v, B, H, D, L0, Ltot, has_pe, eps, nt, nz, dev, kind="qk"):
+    """kind "qk": int8 Q and K (+ the K-mean launch); "q": Q alone (the pack's k8 / ks / kmean None);
+    "qv": Q + V's tile image (pack.vt, see int8_format.VT_KEYS)."""
     Lp = -(-Ltot // 64) * 64
     q8, q8w, qsc, km, views = _q8_buffers(B, H, Lp, D, dev)
     hp = 1 if has_pe else 0
+    kq = kind == "qk"
+    vt = vtw = None
+    if kind == "qv":
+        vt, vtw = _vt_buffer(B, H, Ltot, D, dev)
     if kq:
         S = min(Ltot, KMEAN_SAMPLES)
         ntm = min(1024, -(-(S * (D // 8)) // 32) * 32)
         _kmean_launcher()(ik.grid3(H, B, 1), ntm, a0, a1, sc, pe_w, km, L0, Ltot, S, hp, np.float32(eps))
-    _launcher(2, 2 if kq else 1)(ik.grid3(Lp, B, nz), nt, a0, a1, sc, pe_w, ow, q8w, qsc, km, L0, hp,
-                                 np.float32(eps))
+    _launcher(2, 2 if kq else 1, VT_KEYS if vt is not None else 0)(
+        ik.grid3(Lp, B, nz), nt, a0, a1, sc, pe_w, ow, q8w, qsc, km,
+        vtw if vt is not None else _placeholder(dev)[4], L0, hp, np.float32(eps))
     if not kq:
-        return Quant8(q, k, q8[0], None, qsc[0].reshape(-1), None, None, Lp, views)
+        return Quant8(q, k, q8[0], None, qsc[0].reshape(-1), None, None, Lp, views, v=v if vt is not None else None, vt=vt)
     return Quant8(q, k, q8[0], q8[1], qsc[0].reshape(-1), qsc[1].reshape(-1), km, Lp, views)
 
 
@@ -593,8 +614,9 @@ def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6, quant8: boo
     nt, nz = _threads(D // (4 * VW), H)
     if quant8 and VW == 2 and D in QUANT_DIMS:
         q, k, v = out[0], out[1], out[2]
-        pack = _launch_quant(a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow, q, k,
-                             B, H, D, L0, Ltot, pe is not None, eps, nt, nz, dev, kq=quant8 != "q")
+        kind = quant8 if quant8 in ("q", "qv") else "qk"
+        pack = _launch_quant(a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow, q, k, v,
+                             B, H, D, L0, Ltot, pe is not None, eps, nt, nz, dev, kind=kind)
         return q, k, v, pack
     _launcher(VW)(ik.grid3(Ltot, B, nz), nt,
                   a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow, *_placeholder(dev)[1:],

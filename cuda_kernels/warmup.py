@@ -105,11 +105,11 @@ def warm_calls(device, call=None) -> List[Tuple[str, str, Callable]]:
 
 def _warm_8bit(c, qkv_t, qkv_i, s, pe, H, q):
     """Both 8-bit paths: the pre-pass one (any caller's q/k) and the blocks' fused one
-    (qk_norm_rope's int8 pack -- Q only when the selected kernel quantizes K itself -- and the
-    per-token-scale attention kernel), as flux_core.blocks asks for them."""
+    (qk_norm_rope's int8 pack -- Q + V's tile image when the selected kernel quantizes K itself --
+    and the per-token-scale attention kernel), as flux_core.blocks asks for them."""
     from . import attention
     c("attention", q, q, q, None)
-    want = "qk" if attention.int8_wants_k(q.device, q.shape[-1]) else "q"
+    want = attention.int8_pack_kind(q.device, q.shape[-1])
     qq, kk, vv, pack = c("qk_norm_rope", [(qkv_t, s, s), (qkv_i, s, s)], pe, H, 1e-6, quant8=want)
     if pack is not None:
         c("attention", qq, kk, vv, None, q8=pack)

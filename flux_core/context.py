@@ -124,11 +124,11 @@ class BlockContext:
 
     def qk_norm_rope(self, parts, pe, H, eps=None):
         """(q, k, v, pack): pack is qk_norm_rope's Quant8 when wants_q8() and its backend made one
-        (Q only when the 8-bit kernel that runs quantizes K itself)."""
+        (Q + V's tile image when the 8-bit kernel that runs quantizes K itself: int8_pack_kind)."""
         eps = self.eps if eps is None else eps
         if self.wants_q8():
             qkv = parts[0][0]
-            q8 = "qk" if _attention_op.int8_wants_k(qkv.device, qkv.shape[-1] // (3 * H)) else "q"
+            q8 = _attention_op.int8_pack_kind(qkv.device, qkv.shape[-1] // (3 * H))
             return ops.qk_norm_rope(parts, pe, H, eps, quant8=q8)
         q, k, v = ops.qk_norm_rope(parts, pe, H, eps)
         return q, k, v, None

@@ -228,7 +228,7 @@ def test_attention_numba_8warp_config():
     assert rel(o, ref32(q, k, v)) < 1.2e-2
 
 
-@pytest.mark.parametrize("B,H,L,D", [(1, 2, 40, 32), (2, 1, 70, 64)])
+@pytest.mark.parametrize("B,H,L,D", [(1, 2, 40, 32), (2, 1, 70, 64), (1, 1, 300, 32), (1, 1, 70, 128)])
 def test_8bit_prepass_numba_matches_torch(B, H, L, D):
     q, k, v = make(B, H, L, D, seed=21)
     k = (k + 2.0).to(torch.bfloat16)
@@ -260,7 +260,7 @@ def test_stream_scratch_cache():
     assert len(made) == 19
 
 
-@pytest.mark.parametrize("B,H,L", [(1, 2, 100), (2, 1, 130)])
+@pytest.mark.parametrize("B,H,L", [(1, 2, 100), (2, 1, 130), (1, 1, 330)])
 def test_8bit_prepass_tiled_k8(B, H, L):
     # the pre-pass writing K8 straight in tile_kv's layout (the wgb kernels' bulk-copy image):
     # equal to tile_kv_reference of its row-major K8; rows past Lp (L=130: Lp 192, 256 rows) zero
@@ -412,7 +412,7 @@ def test_select_and_configs():
 
 
 # ---------------------------------------------------------------- numba-8bit fed by qk_norm_rope(quant8=True)
-@pytest.mark.parametrize("var", ["auto", "wgmma", "wgmma-q", "mma-q"])
+@pytest.mark.parametrize("var", ["auto", "wgmma", "wgmma-q", "wgmma-qv", "mma-q"])
 def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
     """q/k/v and the int8 pack from qk_norm_rope (txt + img parts, batch 2, ragged L = 41, K with a
     channel offset), passed as the op's q8 argument; the 8-bit kernel with per-token scales vs fp32
@@ -420,10 +420,12 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
     from.  wgmma: the Hopper kernel with the pack's Q8 + per-token Q scales and a K-only pre-pass
     (QTOK; in the simulator at D = 32, on the GPU only at D = 128 -> mma here).  "-q": a Q-only
     pack (quant8="q": Q8 and its scales equal the full pack's, no K8): the wgmma kernel takes it,
-    the mma kernel (which reads K8) declines it and runs its pre-pass."""
+    the mma kernel (which reads K8) declines it and runs its pre-pass.  "wgmma-qv": quant8="qv" also
+    writes V's tile image (pack.vt == tile_kv_reference(v, VT_KEYS, chunk_major=True), pad rows
+    zero), which the op takes instead of running tile_kv -- only for the very v it was made from."""
     if var.startswith("wgmma"):
         _wgmma_at_d32()
-    cfg = {"auto": None, "wgmma": A.configs.INT8_WGMMA, "wgmma-q": A.configs.INT8_WGMMA,
+    cfg = {"auto": None, "wgmma": A.configs.INT8_WGMMA, "wgmma-q": A.configs.INT8_WGMMA, "wgmma-qv": A.configs.INT8_WGMMA,
            "mma-q": A.configs.INT8_MMA}[var]
     g = torch.Generator().manual_seed(5)
     B, H, D, L1, L2 = 2, 1, 32, 6, 35
@@ -445,18 +447,31 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
                                             quant8="q")
             assert pk.k8 is None and pk.ks is None
             assert torch.equal(pk.q8, q8_full) and torch.equal(pk.qs, qs_full)
+        if var.endswith("-qv"):
+            q8_full, qs_full = pk.q8.clone(), pk.qs.clone()
+            with registry.force("numba", ops=["qk_norm_rope"]):
+                q, k, v, pk = registry.call("qk_norm_rope", [(txt, s[0], s[1]), (img, s[2], s[3])], pe, H, 1e-6,
+                                            quant8="qv")
+            assert pk.k8 is None and pk.ks is None and pk.v is v
+            assert torch.equal(pk.q8, q8_full) and torch.equal(pk.qs, qs_full)
+            assert torch.equal(pk.vt, A.tile_kv_reference(v, A.VT_KEYS, chunk_major=True))
     finally:
         registry.strict = False
     assert pk is not None
     assert A.usable_pack(pk, q, k, needs_k=False) is pk and A.usable_pack(None, q, k, needs_k=False) is None
     assert A.usable_pack(pk, q.clone(), k, False) is None and A.usable_pack(pk, q, k.clone(), False) is None
-    got = []
+    got, tiled = [], []
     orig = A.usable_pack
     monkeypatch.setattr(A, "usable_pack", lambda *a_, **kw_: got.append(orig(*a_, **kw_)) or got[-1])
+    orig_t = A.tile_kv
+    monkeypatch.setattr(A, "tile_kv", lambda *a_, **kw_: tiled.append(1) or orig_t(*a_, **kw_))
+    if var.endswith("-qv"):
+        assert A.pack_vt(pk, v.clone(), A.build(cfg, D, False, True)) is None
     for m in (None, bool_mask(L, 2, 1)):
         out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
         A.numba_attention_8bit(q, k, v, m, out=out, q8=pk, config=cfg)
         assert got[-1] is (None if var == "mma-q" else pk)
+        assert bool(tiled) == (var in ("wgmma", "wgmma-q"))
         assert not torch.isnan(out).any()
         r = ref32(q, k, v, m)
         e, e16 = rel(out, r), rel(A.reference(q, k, v, m).float(), r)
@@ -614,12 +629,44 @@ def test_attention_8bit_default_hopper_d128(B, H, L, masked, fused):
     assert e < 2e-2, e
 
 
+@pytest.mark.parametrize("B,H,L1,L2,masked", [(1, 3, 40, 293, False), (2, 2, 0, 700, True)])
+def test_attention_8bit_qv_pack_hopper_d128(monkeypatch, B, H, L1, L2, masked):
+    # the FLUX path on Hopper at head dim 128: qk_norm_rope(quant8="qv") writes Q8 + per-token scales
+    # and V's tile image (== tile_kv_reference(v, VT_KEYS, chunk_major=True), pad rows zero); the
+    # 8-bit op takes both (K from its K-only pre-pass, no tile_kv launch); error vs fp32 attention
+    _hopper_gpu_only("test_attention_8bit_fused_quant8_pack[wgmma-qv]")
+    from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
+    D, L = 128, L1 + L2
+    assert A.int8_pack_kind(torch.device(DEV), D) == "qv"
+    g = torch.Generator(device=DEV).manual_seed(int(torch.randint(0, 2**31 - 1, (1,)).item()))
+    bf = lambda *s_, sc=1.0: (torch.randn(*s_, device=DEV, generator=g) * sc).to(torch.bfloat16)  # noqa: E731
+    img = bf(B, L2, 3 * H * D)
+    img[..., H * D:2 * H * D] += 2.0
+    parts = ([(bf(B, L1, 3 * H * D, sc=2.0), bf(D, sc=0.1) + 1, bf(D, sc=0.1) + 1)] if L1 else []) + \
+        [(img, bf(D, sc=0.1) + 1, bf(D, sc=0.1) + 1)]
+    ang = torch.rand(1, 1, L, D // 2, device=DEV, generator=g) * 6.283
+    pe = torch.stack([ang.cos(), -ang.sin(), ang.sin(), ang.cos()], -1).reshape(1, 1, L, D // 2, 2, 2)
+    q, k, v, pk = QK.numba_qk_norm_rope(parts, pe, H, 1e-6, quant8="qv")
+    assert pk is not None and pk.k8 is None and pk.v is v
+    assert torch.equal(pk.vt, A.tile_kv_reference(v, A.VT_KEYS, chunk_major=True))
+    tiled = []
+    orig_t = A.tile_kv
+    monkeypatch.setattr(A, "tile_kv", lambda *a_, **kw_: tiled.append(1) or orig_t(*a_, **kw_))
+    mask = bool_mask(L, 7, 1) if masked else None
+    out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    A.numba_attention_8bit(q, k, v, mask, out=out, q8=pk)
+    assert not tiled and not torch.isnan(out).any()
+    e = rel(out, ref32(q, k, v, mask))
+    assert e < 2e-2, e
+
+
 def test_capability_of_a_cpu_device(monkeypatch):
     """Off the simulator a CPU tensor has no compute capability to ask torch for (a CPU-only torch
     raises): the selection treats it as no GPU -- the 8-bit path then wants a full pack (mma)."""
     monkeypatch.setattr(A._rt, "SIMULATOR", False)
     assert A.capability(torch.device("cpu")) == (0, 0)
     assert A.int8_wants_k(torch.device("cpu"), 128) is True
+    assert A.int8_pack_kind(torch.device("cpu"), 128) == "qk"
 
 
 def test_exp2_fma_matches_reference_and_exp2():

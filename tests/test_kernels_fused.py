@@ -208,7 +208,7 @@ def test_qk_norm_rope_head_chunks(monkeypatch):
         s = [rnd(D, offset=1.0) for _ in range(4)]
         assert QK._threads(D // 8, H) == (32, 3)
         _qk_case([(txt, s[0], s[1]), (img, s[2], s[3])], rope_pe(1, L1 + L2, D), H)
-        assert QK._launchers[(2, 0)].kernel is not None
+        assert QK._launchers[(2, 0, 0)].kernel is not None
     finally:
         QK._threads.cache_clear()
 

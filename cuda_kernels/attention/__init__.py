@@ -65,7 +65,7 @@ from .launch import (normalize_mask, Kernel, _cp_ok, _words_ok, _words, _f32_1d,
                      _launch, _go, _mask_args, _out_buffer, _LOG2E, _BN)
 from .tile_kv import tile_kv, tile_kv_reference  # noqa: F401
 from .int8_format import (Quant8, quant8_reference, kmean_index, usable_pack, operands,  # noqa: F401
-                          quantize_8bit, quantize_8bit_numba, _prepass)
+                          quantize_8bit, quantize_8bit_numba, _prepass, pack_vt, VT_KEYS)
 from . import config as configs  # noqa: F401  (the module; ``config`` is the backends' keyword)
 from .config import Bf16Config, Int8Config, build, select_bf16, select_int8, wgmma_ok  # noqa: F401
 
@@ -215,6 +215,17 @@ def int8_wants_k(dev, D):
     return select_int8(capability(dev), D).kind == "mma"
 
 
+def int8_pack_kind(dev, D):
+    """What qk_norm_rope's ``quant8`` should make for the 8-bit kernel selected for ``dev`` at head
+    dim D: "qk" (the mma kernel reads Q8 and K8) or "qv" (the wgmma kernel: Q8 + V's tile image,
+    when the kernel reads V in that layout -- else "q")."""
+    cfg = select_int8(capability(dev), D)
+    if cfg.kind == "mma":
+        return "qk"
+    kern = build(cfg, D, False, per_token=True)
+    return "qv" if kern.tile_kv == VT_KEYS and kern.v_chunk_major else "q"
+
+
 def numba_attention_8bit(q, k, v, mask=None, out=None, q8=None, config=None):
     """The ``numba-8bit`` backend: ``q8`` (a Quant8 of these q / k) replaces the pre-pass;
     ``config`` (an Int8Config) overrides the selection."""
@@ -222,6 +233,7 @@ def numba_attention_8bit(q, k, v, mask=None, out=None, q8=None, config=None):
     cfg = _resolve(config, select_int8, q)
     pk = usable_pack(q8, q, k, needs_k=cfg.kind == "mma")
     kernel = build(cfg, D, mask is not None, per_token=pk is not None)
+    vt = pack_vt(pk, v, kernel)         # V's tile image from qk_norm_rope's pass (no tile_kv here)
     if not all(_words_ok(x) for x in (q, k)):
         q, k = q.contiguous(), k.contiguous()
     if not _cp_ok(v):
@@ -229,7 +241,9 @@ def numba_attention_8bit(q, k, v, mask=None, out=None, q8=None, config=None):
     (q8a, k8a, qsa, ksa), Lp = operands(q, k, pk, kernel.tile_kv)
     dst = _out_buffer(out, q)
     marr, mst = _mask_args(mask, B, H, L, q.device)
-    if kernel.tile_kv:                  # wgmma: V as tile images for the bulk copies
+    if vt is not None:
+        v = vt
+    elif kernel.tile_kv:                # wgmma: V as tile images for the bulk copies
         v = tile_kv(v, None, kernel.tile_kv, chunk_major=kernel.v_chunk_major)[0]
     args = (q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,
             v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,

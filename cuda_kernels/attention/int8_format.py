@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import runtime as _rt
-from .launch import cuda, int32, float32, _mma
-from .launch import _BN, _words, _words_ok, _arr, _c_arr
+from .launch import cuda, int64, float32
+from .launch import _BN, _cp_ok, _dwords, _arr, _c_arr
 
 KMEAN_SAMPLES = 64
 
@@ -28,17 +28,32 @@ def kmean_index(L):
     return [(i * L) // S for i in range(S)]
 
 
+# The V image qk_norm_rope(quant8="qv") writes for the Hopper wgmma kernel:
+# tile_kv_reference(v, VT_KEYS, chunk_major=True) -- the op takes it when its kernel reads V in
+# exactly that layout (Kernel.tile_kv == VT_KEYS and v_chunk_major), else it runs tile_kv itself.
+VT_KEYS = 128
+
+
 class Quant8:
     """int8 Q/K + per-(token, head) scales made from exactly ``q`` and ``k`` (qk_norm_rope's
     quant8 pass).  q8/k8 int8 [B, H, Lp, D]; qs/ks fp32 [B*H*Lp]; kmean fp32 [B, H, D]; views: a
-    dict the consumer caches its numba views in.  The buffers are scratch cached per shape and
+    dict the consumer caches its numba views in; v / vt: the bf16 ``v`` and its tile image (see
+    VT_KEYS) when the pass wrote one, else None.  The buffers are scratch cached per shape and
     stream: the next call with that shape overwrites them (stream order keeps a consumer launched
     before that safe)."""
-    __slots__ = ("q", "k", "q8", "k8", "qs", "ks", "kmean", "Lp", "views")
+    __slots__ = ("q", "k", "q8", "k8", "qs", "ks", "kmean", "Lp", "views", "v", "vt")
 
-    def __init__(self, q, k, q8, k8, qs, ks, kmean, Lp, views):
+    def __init__(self, q, k, q8, k8, qs, ks, kmean, Lp, views, v=None, vt=None):
         self.q, self.k, self.q8, self.k8, self.qs, self.ks = q, k, q8, k8, qs, ks
-        self.kmean, self.Lp, self.views = kmean, Lp, views
+        self.kmean, self.Lp, self.views, self.v, self.vt = kmean, Lp, views, v, vt
+
+
+def pack_vt(pk, v, kernel):
+    """The pack's V tile image when it was made from exactly this ``v`` in the layout ``kernel``
+    (a launch.Kernel) reads, else None."""
+    if pk is None or pk.vt is None or pk.v is not v or kernel.tile_kv != VT_KEYS or not kernel.v_chunk_major:
+        return None
+    return pk.vt
 
 
 def quant8_reference(q, k):
@@ -115,168 +130,187 @@ def quantize_8bit(q, k, v=None, block_q=16, block_k=_BN):
 
 
 # ---------------------------------------------------------------------- 8-bit quantization pre-pass
-# ONE launch, grid (Lp/64, B*H, 2): z = 0 quantizes a 64-row tile of Q (4 scales, one per 16
-# rows), z = 1 a 64-token tile of K (one scale) after subtracting the head's smoothing vector
-# (mean of 64 evenly spaced tokens, recomputed by every K block in the same order -> bit-identical
-# across blocks; ~16 KB of L2 reads per block).  128 threads; thread (i, tid) holds word
-# w = tid % (D/2) of row 2i + tid // 64 (D = 128) in registers: Q / K are read from global
-# memory exactly once (4-byte coalesced loads), absmax by a shared-memory tree (no shuffles,
-# simulator-safe), int8 written as int16 pairs, rows >= L as zeros.
-# Bytes (FLUX [1,24,4608,128]): read 2 x 28.3 MB, write 2 x 14.2 MB (+ scales) = 85 MB
-# -> 23 us at 3.7 TB/s; plus one ~20 us launch from Python (scratch buffers and their numba views
-# are cached per shape / stream, so a call costs 2 as_cuda_array + 1 launch).
-_QNT = 128
+# ONE launch, grid (ceil(NT / TPB), B*H, 2) over the NT = Lp/64 row tiles of each head: z = 0
+# quantizes Q (4 scales per 64-row tile, one per 16 rows), z = 1 K (one scale per 64-key tile)
+# after subtracting the head's smoothing vector (the mean of 64 evenly spaced tokens), computed
+# ONCE per block for its TPB tiles (every block sums in the same order: bit-identical across
+# blocks).  256 threads; a thread owns 8-byte int8 units u = i * 256 + tid of a tile, u = (row
+# group, 16-byte chunk, row in group, half) -- exactly the byte order of tile_kv's image, so the
+# tiled K8 (TK) is written as contiguous 256-byte warp stores and read as 16-byte loads (8 rows x
+# 64 contiguous bytes per warp instruction); a thread's 8 channels are the same in every tile.
+# absmax: warp shuffle max (simulator: a shared-memory group max), then the 8 warps' values
+# through shared memory (double-buffered per tile parity: one block barrier per tile).
+# Bytes (FLUX [1,24,4608,128]): read 2 x 28.3 MB, write 2 x 14.2 MB (+ scales) = 85 MB -> 23 us
+# at 3.7 TB/s (K alone: 42.5 MB -> 11.5 us) plus ~16 KB of L2 reads per block for the mean.
+_QNT = 256
+_TPB = 4            # 64-row tiles per block: the K mean amortised over 4 tiles
 _qkernels = {}
+
+
+def pack8_factory():
+    """pack8(a, base, inv): 8 fp32 a[base:base+8] * inv -> 8 int8 (round half up, clamp +-127) in
+    one int64 word, lowest element in the low byte (the format's rounding; qk_norm_rope's too)."""
+    from .. import intrinsics as ik
+    wrap = ik.wrap_i64
+
+    @cuda.jit(device=True, inline=True)
+    def q1(x, inv):
+        y = int64(math.floor(x * inv + float32(0.5)))
+        return min(max(y, -127), 127) & 0xFF
+
+    @cuda.jit(device=True, inline=True)
+    def pack8(a, base, inv):
+        w = int64(0)
+        for e in range(8):
+            w |= q1(a[base + e], inv) << (8 * e)
+        return wrap(w)
+
+    return pack8
 
 
 def _make_prepass(D, TK=False, KONLY=False):
     """TK: K8 is written as tile_kv's image (8-row x 16-byte core matrices, rows of Lt per head:
-    the buffer's rows past Lp must be zero, see _scratch8_tiled) for the Hopper wgb kernels' bulk
+    the buffer's rows past Lp must be zero, see _scratch8_tiled) for the Hopper wgmma kernel's bulk
     copies -- no separate relayout launch.  KONLY: K alone (grid z = 1; the fused FLUX path takes
     Q8 and its per-token scales from qk_norm_rope's pack)."""
-    DW = D // 2
+    from .. import intrinsics as ik
     NTH = _QNT
-    RS = NTH // DW          # rows per register step
-    NI = 64 * DW // NTH     # words per thread per tile
-    IPG = NI // 4           # register steps per 16-row group
-    NSPLIT = NTH // DW      # mean: threads per word
-    NSAMP = KMEAN_SAMPLES
-    RED = 4 * NTH
-    PART = 2 * NTH
-    NV = 2 * NI
-    assert NTH % DW == 0 and NI % 4 == 0
-    bf16_lo, bf16_hi = _mma.bf16_lo, _mma.bf16_hi
+    CH8 = D // 16           # 16-byte int8 chunks per row
+    UPG = 16 * CH8          # 8-byte units per 8-row group
+    NU = 8 * D // NTH       # units per thread per 64-row tile
+    GPI = NTH // UPG        # row groups per unit step
+    NW = NTH // 32
+    DW8 = D // 8            # int64 words per int8 row
+    assert NU >= 1 and NTH % UPG == 0 and D % 16 == 0
+    pack8 = pack8_factory()
+    unpack_w, ld2, group_max = ik.unpack_w, ik.ld2, ik.group_max
     ZERO = float32(0)
+    TINY = float32(1e-20)
+    NSAMP = KMEAN_SAMPLES
 
     @cuda.jit(device=True, inline=True)
-    def q8(x, inv):
-        y = int32(math.floor(x * inv + float32(0.5)))
-        return min(max(y, -127), 127) & 0xFF
+    def qsel(m, i, tid, a):
+        """max into the 16-row group (0..3) of unit step i's row group."""
+        gq = (i * GPI + tid // UPG) // 2
+        if gq == 0:
+            m[0] = max(m[0], a)
+        elif gq == 1:
+            m[1] = max(m[1], a)
+        elif gq == 2:
+            m[2] = max(m[2], a)
+        else:
+            m[3] = max(m[3], a)
 
     @cuda.jit(fastmath=True)
-    def kern(q, k, qs0, qs1, qs2, ks0, ks1, ks2, q8out, k8out, qsc, ksc, L, Lp, H, Lt):
-        red = cuda.shared.array(RED, float32)
-        part = cuda.shared.array(PART, float32)
-        vals = cuda.local.array(NV, float32)
+    def kern(q, k, qs0, qs1, qs2, ks0, ks1, ks2, q8out, k8out, qsc, ksc, L, Lp, H, Lt, TPB):
+        smem = cuda.shared.array(ik.RED_SMEM, float32)
+        red = cuda.shared.array(2 * NW * 4, float32)
+        part = cuda.shared.array(NTH * 8, float32)
+        vals = cuda.local.array(NU * 8, float32)
+        cm = cuda.local.array(8, float32)
+        m = cuda.local.array(4, float32)
         tid = cuda.threadIdx.x
-        w = tid % DW
-        hs = tid // DW
+        warp = tid // 32
+        lane = tid % 32
+        half = tid % 2
+        r8 = (tid // 2) % 8
+        cc = (tid // 16) % CH8
+        c0 = cc * 16 + half * 8         # this thread's 8 channels (every tile)
         bh = cuda.blockIdx.y
         b = bh // H
         h = bh - b * H
-        blk = cuda.blockIdx.x
-        r0 = blk * 64
+        nt = Lp // 64
         isk = 1 if KONLY else cuda.blockIdx.z
         if isk:
             x = k
             out = k8out
-            base = b * ks0 + h * ks1
+            base = b * ks0 + h * ks1 + c0 // 4
             s2 = ks2
         else:
             x = q
             out = q8out
-            base = b * qs0 + h * qs1
+            base = b * qs0 + h * qs1 + c0 // 4
             s2 = qs2
-        c0 = ZERO
-        c1 = ZERO
-        if isk:  # smoothing vector: mean of NS evenly spaced tokens (same order in every block)
+        for e in range(8):
+            cm[e] = ZERO
+        if isk:  # smoothing vector: mean of the S evenly spaced tokens (fixed summation order)
             S = min(L, NSAMP)
-            a0 = ZERO
-            a1 = ZERO
-            # constant trip count + clamped address + select: the loads issue back to back
-            # (a data-dependent loop / a branch around each load serializes their latencies)
-            for ii in range(NSAMP // NSPLIT):
-                i = hs + ii * NSPLIT
-                ok = i < S
-                u = x[base + ((min(i, S - 1) * L) // S) * s2 + w]
-                a0 += bf16_lo(u) if ok else ZERO
-                a1 += bf16_hi(u) if ok else ZERO
-            part[2 * tid] = a0
-            part[2 * tid + 1] = a1
+            for e in range(8):
+                part[tid * 8 + e] = ZERO
+            for i in range(NU):
+                sr = (i * GPI + tid // UPG) * 8 + r8      # sample index 0..63
+                ok = sr < S
+                w = ld2(x, base + ((min(sr, S - 1) * L) // S) * s2)
+                unpack_w(w[0], vals, 0, 4)
+                unpack_w(w[1], vals, 4, 4)
+                for e in range(8):
+                    part[tid * 8 + e] += vals[e] if ok else ZERO
             cuda.syncthreads()
-            for sp in range(NSPLIT):
-                c0 += part[2 * (sp * DW + w)]
-                c1 += part[2 * (sp * DW + w) + 1]
-            c0 = c0 / float32(S)
-            c1 = c1 / float32(S)
-        m0 = ZERO
-        m1 = ZERO
-        m2 = ZERO
-        m3 = ZERO
-        for i in range(NI):
-            row = r0 + RS * i + hs
-            ok = row < L
-            u = x[base + min(row, L - 1) * s2 + w]   # always a valid address: no branch around the load
-            lo = bf16_lo(u) - c0 if ok else ZERO
-            hi = bf16_hi(u) - c1 if ok else ZERO
-            vals[2 * i] = lo
-            vals[2 * i + 1] = hi
-            a = max(abs(lo), abs(hi))
-            gq = i // IPG
-            if gq == 0:
-                m0 = max(m0, a)
-            elif gq == 1:
-                m1 = max(m1, a)
-            elif gq == 2:
-                m2 = max(m2, a)
-            else:
-                m3 = max(m3, a)
-        red[tid] = m0
-        red[NTH + tid] = m1
-        red[2 * NTH + tid] = m2
-        red[3 * NTH + tid] = m3
-        cuda.syncthreads()
-        st = NTH // 2
-        while st > 0:
-            if tid < st:
-                for gg in range(4):
-                    red[gg * NTH + tid] = max(red[gg * NTH + tid], red[gg * NTH + tid + st])
-            cuda.syncthreads()
-            st //= 2
-        m0 = red[0]
-        m1 = red[NTH]
-        m2 = red[2 * NTH]
-        m3 = red[3 * NTH]
-        if isk:
-            m0 = max(max(m0, m1), max(m2, m3))
-            m1 = m0
-            m2 = m0
-            m3 = m0
-        m0 = max(m0, float32(1e-20))
-        m1 = max(m1, float32(1e-20))
-        m2 = max(m2, float32(1e-20))
-        m3 = max(m3, float32(1e-20))
-        if tid == 0:
+            own = cc * 16 + half
+            for j in range(GPI):
+                for r in range(8):
+                    src = (j * UPG + own + 2 * r) * 8
+                    for e in range(8):
+                        cm[e] += part[src + e]
+            for e in range(8):
+                cm[e] = cm[e] / float32(S)
+        t0 = cuda.blockIdx.x * TPB
+        for tt in range(TPB):
+            tile = t0 + tt
+            if tile >= nt:          # (uniform over the block)
+                break
+            r0 = tile * 64
+            for gg in range(4):
+                m[gg] = ZERO
+            for i in range(NU):
+                row = r0 + (i * GPI + tid // UPG) * 8 + r8
+                ok = row < L
+                w = ld2(x, base + min(row, L - 1) * s2)   # always a valid address: no branch
+                unpack_w(w[0], vals, i * 8, 4)
+                unpack_w(w[1], vals, i * 8 + 4, 4)
+                a = ZERO
+                for e in range(8):
+                    y = vals[i * 8 + e] - cm[e] if ok else ZERO
+                    vals[i * 8 + e] = y
+                    a = max(a, abs(y))
+                qsel(m, i, tid, a)
+            par = (tt % 2) * NW * 4
             if isk:
-                ksc[bh * (Lp // 64) + blk] = m0 / float32(127)
+                mk = group_max(max(max(m[0], m[1]), max(m[2], m[3])), 32, smem)
+                if lane == 0:
+                    red[par + warp * 4] = mk
             else:
-                qb = bh * (Lp // 16) + blk * 4
-                qsc[qb] = m0 / float32(127)
-                qsc[qb + 1] = m1 / float32(127)
-                qsc[qb + 2] = m2 / float32(127)
-                qsc[qb + 3] = m3 / float32(127)
-        i0 = float32(127) / m0
-        i1 = float32(127) / m1
-        i2 = float32(127) / m2
-        i3 = float32(127) / m3
-        ob = bh * Lp * DW + r0 * DW + w
-        tb = bh * Lt * DW + (w // 8) * 64 + w % 8
-        for i in range(NI):
-            gq = i // IPG
-            inv = i0
-            if gq == 1:
-                inv = i1
-            elif gq == 2:
-                inv = i2
-            elif gq == 3:
-                inv = i3
-            wv = q8(vals[2 * i], inv) | (q8(vals[2 * i + 1], inv) << 8)
-            wv = wv - ((wv >> 15) << 16)   # as a signed int16
-            if TK and isk:
-                row = r0 + RS * i + hs
-                out[tb + (row // 8) * (DW * 8) + (row % 8) * 8] = wv
-            else:
-                out[ob + (RS * i + hs) * DW] = wv
+                for gg in range(4):
+                    mq = group_max(m[gg], 32, smem)
+                    if lane == 0:
+                        red[par + warp * 4 + gg] = mq
+            cuda.syncthreads()
+            for gg in range(4):
+                mm = TINY
+                for wv in range(NW):
+                    mm = max(mm, red[par + wv * 4 + (0 if isk else gg)])
+                m[gg] = mm
+            if tid == 0:
+                if isk:
+                    ksc[bh * nt + tile] = m[0] / float32(127)
+                else:
+                    for gg in range(4):
+                        qsc[bh * (Lp // 16) + tile * 4 + gg] = m[gg] / float32(127)
+            for i in range(NU):
+                gq = 0 if isk else (i * GPI + tid // UPG) // 2
+                inv = float32(127) / m[0]
+                if gq == 1:
+                    inv = float32(127) / m[1]
+                elif gq == 2:
+                    inv = float32(127) / m[2]
+                elif gq == 3:
+                    inv = float32(127) / m[3]
+                wq = pack8(vals, i * 8, inv)
+                if TK and isk:      # tile_kv's image: unit u's byte offset in the 64-row tile is 8 u
+                    out[bh * (Lt * DW8) + r0 * DW8 + i * NTH + tid] = wq
+                else:
+                    row = r0 + (i * GPI + tid // UPG) * 8 + r8
+                    out[bh * (Lp * DW8) + row * DW8 + cc * 2 + half] = wq
 
     return kern
 
@@ -299,24 +333,25 @@ def _scratch8(B, H, Lp, D, dev):
         k8 = torch.empty((B, H, Lp, D), dtype=torch.int8, device=dev)
         qs = torch.empty(B * H * Lp // 16, dtype=torch.float32, device=dev)
         ks = torch.empty(B * H * Lp // _BN, dtype=torch.float32, device=dev)
-        v16 = lambda t: _c_arr(t.reshape(-1).view(torch.int16))  # noqa: E731
-        return (q8, k8, qs, ks, v16(q8), v16(k8), _arr(q8), _arr(k8), _c_arr(qs), _c_arr(ks))
+        v64 = lambda t: _c_arr(t.reshape(-1).view(torch.int64))  # noqa: E731
+        return (q8, k8, qs, ks, v64(q8), v64(k8), _arr(q8), _arr(k8), _c_arr(qs), _c_arr(ks))
     return _rt.stream_scratch(_scratch, (B, H, Lp, D, str(dev)), make)
 
 
 def _scratch8_tiled(B, H, Lp, Lt, D, dev):
     """The tiled K8 buffer (int8 [B, H, Lt, D], zero-filled once: the pre-pass never writes its
-    rows past Lp, part of the key) and its 16-bit / word numba views, cached like _scratch8."""
+    rows past Lp, part of the key) and its 64-bit / word numba views, cached like _scratch8."""
     def make():
         k8t = torch.zeros((B, H, Lt, D), dtype=torch.int8, device=dev)
-        return (k8t, _c_arr(k8t.reshape(-1).view(torch.int16)), _arr(k8t))
+        return (k8t, _c_arr(k8t.reshape(-1).view(torch.int64)), _arr(k8t))
     return _rt.stream_scratch(_scratch, ("tiled", B, H, Lp, Lt, D, str(dev)), make)
 
 
-def _prepass(q, k, qw=None, kw=None, tiled=0, konly=False):
-    """tiled: 0, or the wgb kernels' key-tile width -> K8 written as its tile image into
+def _prepass(q, k, tiled=0, konly=False):
+    """tiled: 0, or the wgmma kernel's key-tile width -> K8 written as its tile image into
     _scratch8_tiled (returned as ent[1] / ent[5] / ent[7] of a copy of the scratch entry).
-    konly: quantize K alone (ent's Q8 / Q-scale buffers are left as they were)."""
+    konly: quantize K alone (ent's Q8 / Q-scale buffers are left as they were).  q / k whose rows
+    are not 16-byte aligned are copied first (the kernel reads 16-byte words)."""
     B, H, L, D = q.shape
     Lp = -(-L // _BN) * _BN
     ent = _scratch8(B, H, Lp, D, q.device)
@@ -325,11 +360,14 @@ def _prepass(q, k, qw=None, kw=None, tiled=0, konly=False):
         Lt = -(-L // tiled) * tiled
         t = _scratch8_tiled(B, H, Lp, Lt, D, q.device)
         ent = (ent[0], t[0], ent[2], ent[3], ent[4], t[1], ent[6], t[2], ent[8], ent[9])
-    qw = _words(q) if qw is None else qw
-    kw = _words(k) if kw is None else kw
-    _qkernel(D, bool(tiled), bool(konly))[(Lp // 64, B * H, 1 if konly else 2), _QNT, _rt.stream()](
-        qw, kw, q.stride(0) // 2, q.stride(1) // 2, q.stride(2) // 2,
-        k.stride(0) // 2, k.stride(1) // 2, k.stride(2) // 2, ent[4], ent[5], ent[8], ent[9], L, Lp, H, Lt)
+    if not _cp_ok(q):
+        q = q.contiguous()
+    if not _cp_ok(k):
+        k = k.contiguous()
+    nt = Lp // 64
+    _qkernel(D, bool(tiled), bool(konly))[(-(-nt // _TPB), B * H, 1 if konly else 2), _QNT, _rt.stream()](
+        _dwords(q), _dwords(k), q.stride(0) // 4, q.stride(1) // 4, q.stride(2) // 4,
+        k.stride(0) // 4, k.stride(1) // 4, k.stride(2) // 4, ent[4], ent[5], ent[8], ent[9], L, Lp, H, Lt, _TPB)
     return ent, Lp
 
 
@@ -337,7 +375,5 @@ def quantize_8bit_numba(q, k, v=None):
     """Same outputs as quantize_8bit() (up to rounding ties / float summation order) from ONE
     numba launch: (q8, k8, q_scale, k_scale, Lp).  The tensors are cached scratch buffers that the
     next call with the same shape overwrites."""
-    if any(not _words_ok(x) for x in (q, k)):
-        q, k = q.contiguous(), k.contiguous()
     ent, Lp = _prepass(q, k)
     return ent[0], ent[1], ent[2], ent[3], Lp
