@@ -181,6 +181,10 @@ def _make_prepass(D, TK=False, KONLY=False):
     GPI = NTH // UPG        # row groups per unit step
     NW = NTH // 32
     DW8 = D // 8            # int64 words per int8 row
+    RED = ik.RED_SMEM
+    NV = NU * 8
+    NRED = 2 * NW * 4
+    NPART = NTH * 8
     assert NU >= 1 and NTH % UPG == 0 and D % 16 == 0
     pack8 = pack8_factory()
     unpack_w, ld2, group_max = ik.unpack_w, ik.ld2, ik.group_max
@@ -203,10 +207,10 @@ def _make_prepass(D, TK=False, KONLY=False):
 
     @cuda.jit(fastmath=True)
     def kern(q, k, qs0, qs1, qs2, ks0, ks1, ks2, q8out, k8out, qsc, ksc, L, Lp, H, Lt, TPB):
-        smem = cuda.shared.array(ik.RED_SMEM, float32)
-        red = cuda.shared.array(2 * NW * 4, float32)
-        part = cuda.shared.array(NTH * 8, float32)
-        vals = cuda.local.array(NU * 8, float32)
+        smem = cuda.shared.array(RED, float32)
+        red = cuda.shared.array(NRED, float32)
+        part = cuda.shared.array(NPART, float32)
+        vals = cuda.local.array(NV, float32)
         cm = cuda.local.array(8, float32)
         m = cuda.local.array(4, float32)
         tid = cuda.threadIdx.x
