@@ -19,6 +19,7 @@ importable -- COMFYUI_PATH or .carry/ComfyUI -- else the pack's standalone model
                 scales, activations quantised by the kernels that write them; flux_core/fast.py),
                 bf16 weights quantised again every step (no second copy)
   fast-cached   as fast, bf16 weights quantised once and kept (the fast-cached profile: +11.9 GB)
+  fast-cached-attn8  as fast-cached, 8-bit Numba attention forced (fed by qk_norm_rope's int8 pack)
   ...+graph     the same forward captured once as a CUDA graph and replayed (no launch gaps)
 A variant that cannot run here (``stock`` without ComfyUI, ``+graph`` off a CUDA device or with
 offloaded weights) is skipped with a printed note and ``{"skipped": reason}`` in the JSON.
@@ -68,7 +69,8 @@ def _outliers(s):
     raise argparse.ArgumentTypeError(f"expected N,F (channels >= 1, factor > 0), got {s!r}")
 
 
-BASE_VARIANTS = ("stock", "pack-torch", "exact", "exact-sdpa", "bf16-attn", "attn8", "fast", "fast-cached")
+BASE_VARIANTS = ("stock", "pack-torch", "exact", "exact-sdpa", "bf16-attn", "attn8", "fast", "fast-cached",
+                 "fast-cached-attn8")
 
 
 class Parser(argparse.ArgumentParser):
@@ -335,6 +337,7 @@ def main():
         policy = {"stock": None, "pack-torch": {"*": "torch"}, "exact": {"*": "auto", "attention": "auto"},
                   "exact-sdpa": {"*": "auto", "attention": "torch"}, "attn8": {"*": "auto", "attention": "numba-8bit"},
                   "fast": {"*": "auto", "attention": "auto"}, "fast-cached": {"*": "auto", "attention": "auto"},
+                  "fast-cached-attn8": {"*": "auto", "attention": "numba-8bit"},
                   "bf16-attn": {"*": "auto", "attention": "numba"}}[variant]
         fused = variant not in ("stock", "pack-torch")
         bctx = BlockContext(fused=fused, gemm_epilogue=fused,
@@ -342,7 +345,7 @@ def main():
         if comfy_root:  # ComfyUI's modules (its ops classes, per-call casts of fp8 storage):
             from flux_numba_pack.nodes.host import ComfyWeights  # their weights the way the node gets them
             bctx.host = ComfyWeights()
-        if variant in ("fast", "fast-cached"):
+        if variant in ("fast", "fast-cached", "fast-cached-attn8"):
             from flux_numba_pack.flux_core import fast as fast_mod
             why = fast_mod.support(dev)
             if why:

@@ -130,7 +130,9 @@ def quantize_8bit(q, k, v=None, block_q=16, block_k=_BN):
 
 
 # ---------------------------------------------------------------------- 8-bit quantization pre-pass
-# ONE launch, grid (ceil(NT / TPB), B*H, 2) over the NT = Lp/64 row tiles of each head: z = 0
+# ONE launch, grid (ceil(NT / TPB), B*H, 2) over the NT = Lp/64 row tiles of each head (TPB: the
+# fewest tiles per block that keep the grid in one wave of 3 blocks per SM; each block loads its
+# next tile's words before it reduces the current one): z = 0
 # quantizes Q (4 scales per 64-row tile, one per 16 rows), z = 1 K (one scale per 64-key tile)
 # after subtracting the head's smoothing vector (the mean of 64 evenly spaced tokens), computed
 # ONCE per block for its TPB tiles (every block sums in the same order: bit-identical across
@@ -143,7 +145,7 @@ def quantize_8bit(q, k, v=None, block_q=16, block_k=_BN):
 # Bytes (FLUX [1,24,4608,128]): read 2 x 28.3 MB, write 2 x 14.2 MB (+ scales) = 85 MB -> 23 us
 # at 3.7 TB/s (K alone: 42.5 MB -> 11.5 us) plus ~16 KB of L2 reads per block for the mean.
 _QNT = 256
-_TPB = 4            # 64-row tiles per block: the K mean amortised over 4 tiles
+_RESIDENT = 3       # blocks per SM the launch bounds keep resident (<= 85 registers)
 _qkernels = {}
 
 
@@ -182,7 +184,8 @@ def _make_prepass(D, TK=False, KONLY=False):
     NW = NTH // 32
     DW8 = D // 8            # int64 words per int8 row
     RED = ik.RED_SMEM
-    NV = NU * 8
+    NW2 = NU * 2
+    LB = {} if _rt.SIMULATOR else {"launch_bounds": (NTH, _RESIDENT)}
     NRED = 2 * NW * 4
     NPART = NTH * 8
     assert NU >= 1 and NTH % UPG == 0 and D % 16 == 0
@@ -205,12 +208,14 @@ def _make_prepass(D, TK=False, KONLY=False):
         else:
             m[3] = max(m[3], a)
 
-    @cuda.jit(fastmath=True)
+    @cuda.jit(fastmath=True, **LB)
     def kern(q, k, qs0, qs1, qs2, ks0, ks1, ks2, q8out, k8out, qsc, ksc, L, Lp, H, Lt, TPB):
         smem = cuda.shared.array(RED, float32)
         red = cuda.shared.array(NRED, float32)
         part = cuda.shared.array(NPART, float32)
-        vals = cuda.local.array(NV, float32)
+        vals = cuda.local.array(8, float32)
+        cur = cuda.local.array(NW2, int64)     # this tile's raw words, then the next tile's (prefetch)
+        nxt = cuda.local.array(NW2, int64)
         cm = cuda.local.array(8, float32)
         m = cuda.local.array(4, float32)
         tid = cuda.threadIdx.x
@@ -259,24 +264,31 @@ def _make_prepass(D, TK=False, KONLY=False):
             for e in range(8):
                 cm[e] = cm[e] / float32(S)
         t0 = cuda.blockIdx.x * TPB
+        for i in range(NU):             # the first tile's words
+            row = min(t0, nt - 1) * 64 + (i * GPI + tid // UPG) * 8 + r8
+            w = ld2(x, base + min(row, L - 1) * s2)   # always a valid address: no branch
+            cur[2 * i] = w[0]
+            cur[2 * i + 1] = w[1]
         for tt in range(TPB):
             tile = t0 + tt
             if tile >= nt:          # (uniform over the block)
                 break
             r0 = tile * 64
+            for i in range(NU):         # the next tile's loads go out before this tile's reduction
+                row = min(tile + 1, nt - 1) * 64 + (i * GPI + tid // UPG) * 8 + r8
+                w = ld2(x, base + min(row, L - 1) * s2)
+                nxt[2 * i] = w[0]
+                nxt[2 * i + 1] = w[1]
             for gg in range(4):
                 m[gg] = ZERO
-            for i in range(NU):
+            for i in range(NU):         # (values unpacked again below: 32 registers fewer than keeping them)
                 row = r0 + (i * GPI + tid // UPG) * 8 + r8
                 ok = row < L
-                w = ld2(x, base + min(row, L - 1) * s2)   # always a valid address: no branch
-                unpack_w(w[0], vals, i * 8, 4)
-                unpack_w(w[1], vals, i * 8 + 4, 4)
+                unpack_w(cur[2 * i], vals, 0, 4)
+                unpack_w(cur[2 * i + 1], vals, 4, 4)
                 a = ZERO
                 for e in range(8):
-                    y = vals[i * 8 + e] - cm[e] if ok else ZERO
-                    vals[i * 8 + e] = y
-                    a = max(a, abs(y))
+                    a = max(a, abs(vals[e] - cm[e]) if ok else ZERO)
                 qsel(m, i, tid, a)
             par = (tt % 2) * NW * 4
             if isk:
@@ -309,12 +321,19 @@ def _make_prepass(D, TK=False, KONLY=False):
                     inv = float32(127) / m[2]
                 elif gq == 3:
                     inv = float32(127) / m[3]
-                wq = pack8(vals, i * 8, inv)
+                row = r0 + (i * GPI + tid // UPG) * 8 + r8
+                ok = row < L
+                unpack_w(cur[2 * i], vals, 0, 4)
+                unpack_w(cur[2 * i + 1], vals, 4, 4)
+                for e in range(8):
+                    vals[e] = vals[e] - cm[e] if ok else ZERO
+                wq = pack8(vals, 0, inv)
                 if TK and isk:      # tile_kv's image: unit u's byte offset in the 64-row tile is 8 u
                     out[bh * (Lt * DW8) + r0 * DW8 + i * NTH + tid] = wq
                 else:
-                    row = r0 + (i * GPI + tid // UPG) * 8 + r8
                     out[bh * (Lp * DW8) + row * DW8 + cc * 2 + half] = wq
+            for i in range(NW2):
+                cur[i] = nxt[i]
 
     return kern
 
@@ -351,6 +370,12 @@ def _scratch8_tiled(B, H, Lp, Lt, D, dev):
     return _rt.stream_scratch(_scratch, ("tiled", B, H, Lp, Lt, D, str(dev)), make)
 
 
+def _tiles_per_block(nt, heads):
+    """64-row tiles per block: the fewest that fit every block in one wave (_RESIDENT per SM), so
+    no SM runs a second, partial round; the K mean is then amortised over them as well."""
+    return max(1, -(-nt * heads // (_RESIDENT * _rt.sm_count())))
+
+
 def _prepass(q, k, tiled=0, konly=False):
     """tiled: 0, or the wgmma kernel's key-tile width -> K8 written as its tile image into
     _scratch8_tiled (returned as ent[1] / ent[5] / ent[7] of a copy of the scratch entry).
@@ -369,9 +394,11 @@ def _prepass(q, k, tiled=0, konly=False):
     if not _cp_ok(k):
         k = k.contiguous()
     nt = Lp // 64
-    _qkernel(D, bool(tiled), bool(konly))[(-(-nt // _TPB), B * H, 1 if konly else 2), _QNT, _rt.stream()](
+    nz = 1 if konly else 2
+    tpb = _tiles_per_block(nt, B * H * nz)
+    _qkernel(D, bool(tiled), bool(konly))[(-(-nt // tpb), B * H, nz), _QNT, _rt.stream()](
         _dwords(q), _dwords(k), q.stride(0) // 4, q.stride(1) // 4, q.stride(2) // 4,
-        k.stride(0) // 4, k.stride(1) // 4, k.stride(2) // 4, ent[4], ent[5], ent[8], ent[9], L, Lp, H, Lt, _TPB)
+        k.stride(0) // 4, k.stride(1) // 4, k.stride(2) // 4, ent[4], ent[5], ent[8], ent[9], L, Lp, H, Lt, tpb)
     return ent, Lp
 
 
