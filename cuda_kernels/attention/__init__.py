@@ -51,8 +51,9 @@ broadcast with stride 0; a fully masked row averages V uniformly (SDPA gives NaN
 8-bit hand-off, an explicit value: flux_core.blocks decides from its options (``BlockContext.quant8``)
 to ask ``qk_norm_rope(..., quant8=...)`` for int8 Q / K with per-token scales (a ``Quant8``) and
 passes it to this op as ``q8``.  The mma kernel takes the whole pack; the wgmma kernel takes its
-Q8 + per-token Q scales and quantizes K itself (per-64-key scales, in the tile layout), so the
-block asks for Q only when ``int8_wants_k(device, head dim)`` is False.
+Q8 + per-token Q scales and V's tile image (``pack.vt``, written by the same pass: no tile_kv
+launch) and quantizes K itself (per-64-key scales, in the tile layout), so the block asks for what
+``int8_pack_kind(device, head dim)`` says ("qk", or "qv" for the wgmma kernel).
 """
 import math
 

@@ -6,10 +6,11 @@ the mean only centres K's channel bias so int8 keeps its precision); int8 = roun
 absmax), rows past L zero, L padded to Lp = a multiple of 64.  Two scale layouts:
   per block  (the pre-pass here): Q per 16 rows, K per 64 keys -- fp32 [B*H*Lp/16] / [B*H*Lp/64];
   per token  (``Quant8``, written by qk_norm_rope(quant8=True) in its own pass): fp32 [B*H*Lp].
-The 8-bit op takes a ``Quant8`` as its ``q8`` argument (``usable_pack`` checks it fits the call);
-without one it runs the pre-pass: ONE Numba launch over Q and K (``quantize_8bit_numba``;
-``quantize_8bit`` is its torch reference), K8 optionally written straight in tile_kv's layout
-for the wgmma kernel, or K alone when a pack supplies Q."""
+The 8-bit op takes a ``Quant8`` as its ``q8`` argument (``usable_pack`` checks it fits the call;
+``pack_vt`` whether its V tile image fits the kernel); without one it runs the pre-pass: ONE Numba
+launch over Q and K (``quantize_8bit_numba``; ``quantize_8bit`` is its torch reference), K8
+optionally written straight in tile_kv's layout for the wgmma kernel, or K alone when a pack
+supplies Q."""
 import math
 
 import torch
