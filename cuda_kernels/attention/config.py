@@ -106,8 +106,8 @@ def select_int8(cc, D):
     if wgmma_ok(cc, D):
         # kernel 0.448-0.458 ms vs 0.474-0.479 for the kernel before (32-bit ring counters, ones column,
         # rescale threshold, biased S, a quarter of the exp2 on the FMA pipe: int8_wgmma's header; 2026-12-02
-        # late night runs 3-4); op 0.544 ms with the pre-pass, 0.4875 fed by qk_norm_rope's "qv" pack (Q8 + V's
-        # tile image) vs cuDNN 0.466 on the same tensors (2026-12-03 run 2); mma 0.89-0.91
+        # late night runs 3-4); op 0.520 ms with the pre-pass, 0.477 fed by qk_norm_rope's "qv" pack (Q8 + V's
+        # tile image) vs cuDNN 0.451 on the same tensors (2026-12-03 run 3); mma 0.89-0.91
         return INT8_WGMMA
     # elsewhere: int8 mma.sync -- op 0.903 ms (pre-pass 0.091 + kernel), error 1.26%
     return INT8_MMA
