@@ -4,7 +4,8 @@ the same with a few channels 30x), against fp32 attention:
 
     python bench/attn8_pv_error.py [L] [H]
 
-Q / K: int8 as the kernels quantize them (K smoothed by its mean, Q per 16 rows, K per 64 keys).
+Q / K: int8 as the kernels quantize them (``scores8_reference``: K smoothed by its mean, Q per 16
+rows, K per 64 keys).
 Then the online softmax over 128-key tiles as the wgmma kernel runs it: P = exp2-style
 exp(S - running max), the accumulator rescaled when the max moves, the row sum taken from the
 same (quantized) P that meets V -- the kernel's ones column.  P.V ways:
@@ -22,23 +23,22 @@ Prints the relative Frobenius error of each against fp32 attention; the 8-bit ba
 random inputs, no NaN / Inf on the outlier ones.
 """
 import math
+import os
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: _pack
+import _pack  # noqa: E402
+
+_pack.load()
+from flux_numba_pack.cuda_kernels.attention.int8_format import scores8_reference  # noqa: E402
 
 F8 = torch.float8_e4m3fn
 BN = 128
 WAYS = (("bf16", "bf16"), ("bf16", "e4m3 ch"), ("e4m3", "bf16"), ("e4m3", "e4m3 ch"),
         ("e4m3 tile", "e4m3 ch"), ("bf16", "i8 ch"), ("u8", "bf16"), ("u8", "i8 ch"),
         ("u8 tile", "bf16"), ("u8 tile", "i8 ch"), ("u8 tile", "i8 tile"))
-
-
-def qint8(x, blk):
-    """Symmetric int8 per ``blk`` rows of the sequence axis (dim 2), dequantized."""
-    B, H, L, D = x.shape
-    xs = x.view(B, H, L // blk, blk, D)
-    sc = xs.abs().amax((3, 4), keepdim=True).clamp_min(1e-30) / 127
-    return (torch.round(xs / sc).clamp(-127, 127) * sc).view(B, H, L, D)
 
 
 def quant_v(v, how):
@@ -76,7 +76,7 @@ def quant_p(p, how):
 
 def attention_8bit(q, k, v, p_how, v_how):
     B, H, L, D = q.shape
-    s = qint8(q, 16) @ qint8(k - k.mean(2, keepdim=True), 64).transpose(-1, -2) / math.sqrt(D)
+    s = scores8_reference(q, k)         # int8 Q / K exactly as the kernels' pre-pass makes them
     vq = quant_v(v, v_how)
     m = torch.full((B, H, L, 1), -math.inf)
     acc = torch.zeros(B, H, L, D)

@@ -25,7 +25,6 @@ import _pack  # noqa: E402
 
 _pack.load()
 from flux_numba_pack.cuda_kernels import attention as A  # noqa: E402
-from flux_numba_pack.cuda_kernels import qk_norm_rope as QK  # noqa: E402
 from flux_numba_pack.cuda_kernels.attention import launch as LA  # noqa: E402
 
 AC.init(DRY)
@@ -100,8 +99,7 @@ def main():
             t = AC.graph_ms(lambda: A.tile_kv(k, v, cfg.keys))
             rows.append((name, "  tile_kv (K + V relayout)", f"{t:.4f} ms", "", "", ""))
         add(name, "op", lambda: A.numba_attention(q, k, v, out=dst, config=cfg), dst, ref, 1.1 * e16 + 1e-4)
-    q8, k8, qs, ks, Lp, km = QK.quant8_reference(q, k)
-    pk = QK.Quant8(q, k, q8, k8, qs.contiguous(), ks.contiguous(), km, Lp, {})
+    pk = A.reference_pack(q, k)
     for cfg in i8:
         name = f"int8 {cfg.kind}"
         add(name, "kernel alone", kernel_int8(cfg, q, k, v, dst, marr), dst, ref, 0.02)

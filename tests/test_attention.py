@@ -650,15 +650,13 @@ def test_attention_8bit_default_hopper_d128(B, H, L, masked, fused):
     # K8 written tiled by the pre-pass); fused: fed a qk_norm_rope-style per-token Quant8 pack
     # (QTOK: its Q8 + per-token Q scales, K from a K-only pre-pass); ragged tails, partial tiles, masks
     _hopper_gpu_only("test_attention_8bit_wgmma, test_attention_8bit_fused_quant8_pack")
-    from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
     D = 128
     q, k, v = make(B, H, L, D, seed=L + 3)
     k = (k + 1.0).to(torch.bfloat16)
     mask = bool_mask(L, 7, 1) if masked else None
     out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
     if fused:
-        q8, k8, qs, ks, Lp, km = QK.quant8_reference(q, k)
-        pk = QK.Quant8(q, k, q8, k8, qs.contiguous(), ks.contiguous(), km, Lp, {})
+        pk = A.reference_pack(q, k)
         run_numba("numba-8bit", q, k, v, mask, out=out, q8=pk)
     else:
         run_numba("numba-8bit", q, k, v, mask, out=out)
@@ -719,9 +717,7 @@ def test_attention_8bit_reference_hopper_d128(B, H, L, case, masked, fused):
     mask = bool_mask(L, 5, 2) if masked else None
     out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
     if fused:
-        from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
-        q8, k8, qs, ks, Lp, km = QK.quant8_reference(q, k)
-        pk = QK.Quant8(q, k, q8, k8, qs.contiguous(), ks.contiguous(), km, Lp, {})
+        pk = A.reference_pack(q, k)
         A.numba_attention_8bit(q, k, v, mask, out=out, q8=pk)
     else:
         A.numba_attention_8bit(q, k, v, mask, out=out)

@@ -66,7 +66,8 @@ from .launch import (normalize_mask, Kernel, _cp_ok, _words_ok, _words, _f32_1d,
                      _launch, _go, _mask_args, _out_buffer, _LOG2E, _BN)
 from .tile_kv import tile_kv, tile_kv_reference  # noqa: F401
 from .int8_format import (Quant8, quant8_reference, kmean_index, usable_pack, operands,  # noqa: F401
-                          quantize_8bit, quantize_8bit_numba, _prepass, pack_vt, VT_KEYS, attention8_reference)
+                          quantize_8bit, quantize_8bit_numba, _prepass, pack_vt, VT_KEYS,
+                          reference_pack, scores8_reference, attention8_reference)
 from . import config as configs  # noqa: F401  (the module; ``config`` is the backends' keyword)
 from .config import Bf16Config, Int8Config, build, select_bf16, select_int8, wgmma_ok  # noqa: F401
 

@@ -104,7 +104,7 @@ def select_int8(cc, D):
     #   emulation -- the 2% bar cannot hold with fp8 P V); S's int32 -> fp32 by the magic bias instead of
     #   I2F: 0.494 vs 0.486 (more instructions: the loop is not I2F-throughput-bound)
     # not built: u8 P x s8 V^T on wgmma, P scaled per row and 128-key tile, each tile's int32 P V scaled into
-    #   the fp32 accumulator -- 1.66-1.70% error in emulation (bench/attn8_pv_error.py, 2026-12-03), but a second
+    #   the fp32 accumulator -- 1.65-1.70% error in emulation (bench/attn8_pv_error.py, 2026-12-03), but a second
     #   68-register accumulator beside today's 236 registers needs a producer / consumer split (setmaxnreg)
     if wgmma_ok(cc, D):
         # kernel 0.448-0.458 ms vs 0.474-0.479 for the kernel before (32-bit ring counters, ones column,

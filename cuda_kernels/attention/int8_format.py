@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .. import runtime as _rt
 from .launch import cuda, int64, float32
-from .launch import _BN, _cp_ok, _dwords, _arr, _c_arr
+from .launch import _BN, _cp_ok, _dwords, _arr, _c_arr, normalize_mask
 
 KMEAN_SAMPLES = 64
 
@@ -131,26 +131,42 @@ def quantize_8bit(q, k, v=None, block_q=16, block_k=_BN):
 
 
 
-def attention8_reference(q, k, v, mask=None, q_block=16, k_block=_BN):
-    """Torch reference of the 8-bit attention's arithmetic: [B, L, H*D] fp32.  Q / K quantized as
-    the kernels read them (``quantize_8bit``: K smoothed by its mean, Q scaled per ``q_block`` rows
-    -- 1 for a qk_norm_rope pack's per-token scales -- and K per ``k_block`` keys), S = Q8 K8^T
-    times the scales / sqrt(D) in fp32, masked, P = exp(S - row max) rounded to bf16 (the P V
-    operand), P V over the bf16 V in fp32 divided by the sum of those same bf16 P.  The kernels
-    differ from it by fp32 rounding and where P is rounded (running vs final max), not by
-    quantization: the tests hold them to it much tighter than to fp32 attention."""
-    from .launch import normalize_mask
+def reference_pack(q, k):
+    """A Quant8 of ``q`` / ``k`` made by ``quant8_reference`` (torch): what qk_norm_rope(quant8=True)
+    hands the op, for tests and benchmarks without the fused pass."""
+    q8, k8, qs, ks, Lp, km = quant8_reference(q, k)
+    return Quant8(q, k, q8, k8, qs.contiguous(), ks.contiguous(), km, Lp, {})
+
+
+def scores8_reference(q, k, q_block=16, k_block=_BN):
+    """S = Q K^T / sqrt(D) as the 8-bit kernels compute it, in torch: [B, H, L, L] fp32, unmasked.
+    Q / K quantized by ``quantize_8bit`` (K smoothed by its mean, Q scaled per ``q_block`` rows -- 1
+    for a qk_norm_rope pack's per-token scales -- K per ``k_block`` keys); the int8 products are exact,
+    the scales applied in fp32."""
     B, H, L, D = q.shape
     q8, k8, qs, ks, Lp = quantize_8bit(q, k, block_q=q_block, block_k=k_block)
-    qd = (q8.float().view(B, H, Lp // q_block, q_block, D) * qs.view(B, H, -1, 1, 1)).view(B, H, Lp, D)
-    kd = (k8.float().view(B, H, Lp // k_block, k_block, D) * ks.view(B, H, -1, 1, 1)).view(B, H, Lp, D)
-    s = (qd[:, :, :L] @ kd[:, :, :L].transpose(-1, -2)) / math.sqrt(D)
+
+    def deq(x8, sc, blk):
+        return (x8.float().view(B, H, Lp // blk, blk, D) * sc.view(B, H, -1, 1, 1)).view(B, H, Lp, D)[:, :, :L]
+
+    return deq(q8, qs, q_block) @ deq(k8, ks, k_block).transpose(-1, -2) / math.sqrt(D)
+
+
+def attention8_reference(q, k, v, mask=None, q_block=16, k_block=_BN):
+    """Torch reference of the 8-bit attention's arithmetic: [B, L, H*D] fp32.  S from
+    ``scores8_reference``, masked, P = exp(S - row max) rounded to bf16 (the P V operand), P V over
+    the bf16 V in fp32 divided by the sum of those same bf16 P.  The kernels differ from it by fp32
+    rounding and where P is rounded (running vs final max), not by quantization: the tests hold
+    them to it much tighter than to fp32 attention."""
+    B, H, L, D = q.shape
+    s = scores8_reference(q, k, q_block, k_block)
     if mask is not None:
         m = normalize_mask(mask)
         s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
     p = torch.exp(s - s.amax(-1, keepdim=True)).bfloat16().float()
     o = (p @ v.float()) / p.sum(-1, keepdim=True)
     return o.transpose(1, 2).reshape(B, L, H * D)
+
 
 # ---------------------------------------------------------------------- 8-bit quantization pre-pass
 # ONE launch, grid (ceil(NT / TPB), B*H, 2) over the NT = Lp/64 row tiles of each head (TPB: the
