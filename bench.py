@@ -191,6 +191,22 @@ def _avail_ram():
         return None
 
 
+def _wait_for_kernel_build(dev):
+    """Timing starts once the pack's background kernel build (started when its nodes are imported) is
+    done: until then the ops run their torch references and no graph is captured, so a row would not
+    time what its label says."""
+    if dev.type != "cuda":
+        return
+    from flux_numba_pack.cuda_kernels import prebuild
+    b = prebuild.current()
+    if b is None or b.done.is_set():
+        return
+    t0 = time.time()
+    print("waiting for the background kernel build (first run after an install or update) ...", flush=True)
+    b.wait()
+    print(f"kernel build done in {time.time() - t0:.1f}s ({b.state})", flush=True)
+
+
 def main():
     p, a = parse()
     sys.path.insert(0, ROOT)
@@ -333,7 +349,11 @@ def main():
                 raise RuntimeError("cannot capture: " + "; ".join(why))
             eager = forward_fn(variant[: -len("+graph")])
             gf = GraphedForward(lambda xin, tin: eager(xin, tin), module=model)
-            return lambda xin=None, tin=None: gf(x if xin is None else xin, t if tin is None else tin)
+
+            def graphed(xin=None, tin=None):
+                return gf(x if xin is None else xin, t if tin is None else tin)
+            graphed.graphed = gf  # its replay count says whether the timed calls replayed a graph
+            return graphed
         policy = {"stock": None, "pack-torch": {"*": "torch"}, "exact": {"*": "auto", "attention": "auto"},
                   "exact-sdpa": {"*": "auto", "attention": "torch"}, "attn8": {"*": "auto", "attention": "numba-8bit"},
                   "fast": {"*": "auto", "attention": "auto"}, "fast-cached": {"*": "auto", "attention": "auto"},
@@ -406,6 +426,7 @@ def main():
         print(f"fp32 reference in {time.time() - t0:.1f}s")
 
     # ---------------------------------------------------------------- time each variant
+    _wait_for_kernel_build(dev)
     registry.autotune = a.autotune
     finals = {"fp32-reference": ref_traj.float().cpu()} if ref_traj is not None else {}
     for v in variants:
@@ -422,8 +443,11 @@ def main():
             if dev.type == "cuda":  # steady state: JIT, autotune trial copies and capture are behind us
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            gf = getattr(fn, "graphed", None)
+            replays0 = gf.replays if gf is not None else 0
             with ClockLog(dev) as clk:
                 times = step_times(fn, dev, warmup=a.warmup, reps=a.reps)
+            replayed = None if gf is None else gf.replays - replays0
             host = host_ms(fn, dev, a.reps) if dev.type == "cuda" else None
             out = fn()
             used = registry.take_usage()
@@ -432,6 +456,12 @@ def main():
                  "ms_back_to_back": back_to_back_ms(fn, a.reps) if dev.type == "cuda" else None,
                  "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else None,
                  "backends": {op: sorted(b) for op, b in used.items()}}
+            if gf is not None:  # a +graph row is a graph time only if its timed calls replayed the graph
+                r["graph_replays"] = replayed
+                if not replayed:
+                    r["not_graphed"] = ("no CUDA graph replayed during the timed calls (they ran eagerly: "
+                                        + (gf.deferred or ("kernels still building" if not registry.settled()
+                                                           else "no capture")) + ")")
             if ref_out is not None:
                 r["rel_err"] = rel_err(ref_out, out.float())
             if ref_traj is not None:
@@ -440,7 +470,8 @@ def main():
                 r["traj_identical"] = bool(torch.equal(ref_traj.float(), traj.float()))
                 finals[v] = traj.float().cpu()
             results[v] = r
-            print(f"{v}: {r['ms']:.2f} ms  " + json.dumps({k: r[k] for k in r if k not in ('times',)}))
+            label = v + (" [NOT GRAPHED: eager]" if r.get("not_graphed") else "")
+            print(f"{label}: {r['ms']:.2f} ms  " + json.dumps({k: r[k] for k in r if k not in ('times',)}))
         except Exception as e:  # report and go on
             import traceback
             traceback.print_exc()
@@ -528,6 +559,8 @@ def main():
         b2b = f"{r['ms_back_to_back']:.2f}" if r.get("ms_back_to_back") else "-"
         hm = f"{r['host_ms']:.1f}" if r.get("host_ms") else "-"
         print(f"{v:<12} {r['ms']:>9.2f} {ratio:>9} {b2b:>7} {hm:>7} {pk:>8} {re_:>8} {tr:>8} {cl}")
+        if r.get("not_graphed"):
+            print(f"{'':<12} ^ {v} is NOT a graph time: {r['not_graphed']}")
     if not info["speed_measurement"]:
         print("(not on a CUDA GPU: no Numba kernel ran; a smoke test of the harness, not a speed measurement)")
     vd = results.get("vae-decode")

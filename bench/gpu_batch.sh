@@ -43,6 +43,7 @@ for part in ${PARTS:-server033 bench vae}; do
       IFS=';' read -ra specs <<< "${SERVERS:-}"
       for spec in "${specs[@]}"; do
         IFS='|' read -r tag tv flag cases rep extra <<< "$spec"
+        extra=${extra//@R@/$R}  # (@R@ in EXTRA ARGS: this call's result folder, e.g. --profile @R@/prof_x)
         tree=$COMFY033; [ "$tv" = 080 ] && tree=$COMFY080
         t1=$(date +%s)
         timeout ${SRVS_T:-200} $S --comfy "$tree" --flags="$flag" --cases "$cases" --repeat "${rep:-2}" --interleave $extra \

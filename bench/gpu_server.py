@@ -389,8 +389,10 @@ execution.execute = execute
 NODE_CLASS_MAPPINGS = {}
 '''
 
+LOG_COUNTS = ("capture failed", "INTERNAL ASSERT", "freeAsync", "capture stopped", "Traceback", "per-block CUDA graph not captured")
 KEYS = ("fallback", "kernel build", "building", "per-block", "profile fast", "FluxNumbaVAEPatch", "DynamicVRAM", "running ComfyUI's original block", "CUDA graph", "captured a CUDA graph", "is off for this model",
-        "FluxNumbaPatch", "Traceback", "Error", "error", "terminate called", "freeAsync", "skipped")
+        "FluxNumbaPatch", "Traceback", "Error", "error", "terminate called", "freeAsync", "skipped", "capture",
+        "INTERNAL ASSERT")
 
 
 def write_weights(path, seed=0):
@@ -411,6 +413,36 @@ def write_weights(path, seed=0):
         else:
             t = (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
         sd[k] = t
+    save_file(sd, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+LORA_RANK = 16
+LORA_FILE = "flux_lora_random.safetensors"
+
+
+def write_lora(path, seed=1):
+    """A random rank-16 LoRA over every block Linear of FLUX.1-dev (ComfyUI's generic
+    ``<key>.lora_up.weight`` / ``.lora_down.weight`` / ``.alpha`` format, bf16, ~110 MB): up / down
+    ~N(0, 0.01), so a full-strength LoRA moves each weight by ~8% of its spread."""
+    if os.path.exists(path):
+        return
+    import torch
+    from safetensors.torch import save_file
+    sys.path.insert(0, ROOT)
+    import _pack
+    _pack.load()
+    from flux_numba_pack.flux_core.checkpoint import FLUX1_DEV, expected_shapes
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k, shape in expected_shapes(FLUX1_DEV).items():
+        if not (k.endswith(".weight") and len(shape) == 2 and ("_blocks." in k)):
+            continue
+        base = "diffusion_model." + k[: -len(".weight")]
+        out, inp = shape
+        sd[base + ".lora_up.weight"] = (torch.randn(out, LORA_RANK, generator=g) * 0.01).to(torch.bfloat16)
+        sd[base + ".lora_down.weight"] = (torch.randn(LORA_RANK, inp, generator=g) * 0.01).to(torch.bfloat16)
+        sd[base + ".alpha"] = torch.tensor(float(LORA_RANK))
     save_file(sd, path + ".tmp")
     os.replace(path + ".tmp", path)
 
@@ -514,6 +546,10 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     if case in VAE_CASES:
         return decode_graph(case, res, seed, vae)
     name = prefix + case  # the SaveImage prefix: the case's full name (image_psnr pairs files by it)
+    lora = re.search(r"_lora(b?)(?:([0-9.]+))?$", case)  # _lora: after the patch, _lorab: before it; strength
+    if lora:
+        lora_before, lora_strength = lora.group(1) == "b", float(lora.group(2) or 1.0)
+        case = case[: lora.start()]
     fp8 = case.endswith("_fp8")
     case = case[: -len("_fp8")] if fp8 else case
     eager = case.endswith("_eager")  # cuda_graph off: every block eager (the host path's own cost)
@@ -539,6 +575,10 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     if control:
         g["sdpa"] = {"class_type": "FluxNumbaBenchSDPA", "inputs": {"model": model, "backend": control}}
         model = ["sdpa", 0]
+    if lora and (lora_before or not patched):
+        g["lora"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": model, "lora_name": LORA_FILE,
+                                                                     "strength_model": lora_strength}}
+        model = ["lora", 0]
     if patched:
         g["patch"] = {"class_type": "FluxNumbaPatch", "inputs": {
             "model": model, "profile": profile, "route_norms": True, "attention": "sdpa" if sdpa else "auto",
@@ -548,6 +588,10 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
         if not stock_vae:
             g["vpatch"] = {"class_type": "FluxNumbaVAEPatch", "inputs": {"vae": vae_ref, "enabled": True, "backend": "auto"}}
             vae_ref = ["vpatch", 0]
+    if lora and patched and not lora_before:  # LoRA after the patch: a clone of the patched model
+        g["lora"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": model, "lora_name": LORA_FILE,
+                                                                     "strength_model": lora_strength}}
+        model = ["lora", 0]
     cache = {"easycache": "EasyCache", "stock_easycache": "EasyCache",
              "lazycache": "LazyCache", "stock_lazycache": "LazyCache"}.get(case)
     if cache:
@@ -579,7 +623,10 @@ def image_psnr(out_dir, cases, interleaved):
         return {}
     res = {}
     for case in cases:
-        ref = "stock_fp8" if case.endswith("_fp8") else "stock"
+        lo = re.search(r"_lorab?(?:[0-9.]+)?$", case)
+        base = case[: lo.start()] if lo else case
+        ref = ("stock_fp8" if base.endswith("_fp8") else "stock") + (case[lo.start():].replace("_lorab", "_lora")
+                                                                    if lo else "")
         if case == ref or ref not in cases or case in VAE_CASES:
             continue
         out = []
@@ -726,6 +773,9 @@ def main():
     if not all(c in VAE_CASES for c in cases):   # decode-only runs need no FLUX weights
         write_weights(a.weights)
     vae_path = os.path.join(os.path.dirname(a.weights), "flux_vae_random.safetensors")
+    lora_path = os.path.join(os.path.dirname(a.weights), LORA_FILE)
+    if any("_lora" in c for c in cases):
+        write_lora(lora_path)
     write_vae(vae_path, a.python, a.comfy[0], env)
     print(f"[bench] weights ready ({time.time() - t:.1f} s)", flush=True)
 
@@ -749,7 +799,7 @@ def main():
                 os.makedirs(prof_dir, exist_ok=True)
                 with open(os.path.join(cn, "flux_numba_bench_profile.py"), "w") as f:
                     f.write(PROFILE_NODE)
-            for sub, src in (("diffusion_models", a.weights), ("vae", vae_path)):
+            for sub, src in (("diffusion_models", a.weights), ("vae", vae_path), ("loras", lora_path)):
                 os.makedirs(os.path.join(base, "models", sub))
                 if os.path.exists(src):
                     os.symlink(src, os.path.join(base, "models", sub, os.path.basename(src)))
@@ -837,6 +887,7 @@ def main():
             logf.close()
             log = open(logp, errors="replace").read()
             rec["log_lines"] = [ln for ln in log.splitlines() if any(k in ln for k in KEYS)][:80]
+            rec["log_counts"] = {k: log.count(k) for k in LOG_COUNTS}
             rec["log_tail"] = log[-3000:]
             if a.logs:
                 os.makedirs(a.logs, exist_ok=True)
@@ -867,6 +918,10 @@ def main():
         for case, dbs in rec.get("psnr_vs_stock_db", {}).items():
             print(f"PSNR vs stock (same seed, 8-bit PNG), {rec['comfyui']} {rec['flags'] or '(default)'} {case}: "
                   + ", ".join(f"{d:.1f}" for d in dbs) + " dB")
+    for rec in results:
+        if "log_counts" in rec:
+            print(f"log counts, {rec['comfyui']} {rec['flags'] or '(default)'}: "
+                  + ", ".join(f"'{k}' {v}" for k, v in rec["log_counts"].items()))
     for rec in results:
         if rec.get("median_warm_s"):
             print(f"median of runs 2..N, {rec['comfyui']} {rec['flags'] or '(default)'}: "

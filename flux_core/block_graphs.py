@@ -14,8 +14,12 @@ The state machine (``BlockGraphs.call``), per key = (block, input signature):
   * else the call runs eagerly and the key is remembered; the next call with the same ``weights``
     (the weights stayed where the last eager call left them) captures and replays; a different
     ``weights`` (weights moved, LoRA changed) drops the stale graph first.
+  * ``prepare()`` (the host stages the block's weights) yields False when a weight is not resident
+    at capture time: its copy / patch work (DynamicVRAM faults, a LoRA bake) would be captured and
+    re-run on every replay, so the call runs eagerly and a later one tries again;
   * a failed capture (a host sync inside the block, a capture error) -> eager for that key for good,
-    the reason logged once; ComfyUI's interrupt propagates.
+    the reason logged once; after an allocator assert no block captures any more in this process
+    (``capture.captures_off``); ComfyUI's interrupt propagates.
 
 Inputs and outputs: a graph reads fixed addresses, so each stage (double / single) and signature has
 one set of static buffers (``StageBuffers``) shared by all its blocks: ``img`` / ``txt`` are updated
@@ -23,14 +27,15 @@ in place and returned, so block i+1 gets block i's buffer and nothing is copied 
 caller's fresh tensor (the first block of a stage) is copied in.  ``vec`` / ``pe`` / ``mask`` are
 copied when the caller passes a different object (once per forward).  Each capture gets a fresh
 per-call state from ``core`` (no tensor computed inside one graph is read by another).  All graphs of
-one ``BlockGraphs`` share one memory pool: their temporaries are dead at each graph's end, and
+one ``BlockGraphs`` share one memory pool while any of them lives (``capture.GraphPool``: a handle
+is never reused once its graphs are gone): their temporaries are dead at each graph's end, and
 replays are serial on one stream.
 
-Capture goes through ``capture_fn(fn) -> graph`` (``graph.replay()``); the default is a CUDA graph
-on a side stream with host syncs turned into errors (``graphs.no_host_syncs``) and
-``capture_error_mode="thread_local"``, without ``torch.cuda.graph``'s per-capture device sync and
-``gc.collect()`` (57 captures per FLUX forward).  Tests pass a recording stand-in that re-runs
-``fn`` on replay, which exercises the same buffer and state logic on the CPU.
+Capture goes through ``capture_fn(fn) -> graph`` (``graph.replay()``; ``capture_fn.release(graph)``
+drops one); the default is ``capture.capturing`` on a side stream (host syncs raise, thread-local
+capture mode, the garbage collector paused, one ``gc.collect()`` per round of captures instead of
+``torch.cuda.graph``'s one per capture: 57 captures per FLUX forward).  Tests pass a recording
+stand-in that re-runs ``fn`` on replay, which exercises the same buffer and state logic on the CPU.
 """
 from __future__ import annotations
 
@@ -43,7 +48,8 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ..cuda_kernels import registry
-from .graphs import _allocator_notes_silenced, drop_graph, is_interrupt, no_host_syncs
+from .capture import CapturesOff, GraphPool, capturing, captures_off, drop_graph
+from .graphs import is_interrupt
 
 log = logging.getLogger("flux_numba")
 
@@ -108,10 +114,12 @@ class _Entry:
 
 
 class CudaCapture:
-    """The default ``capture_fn``: ``fn()`` captured into a CUDA graph (module docstring)."""
+    """The default ``capture_fn``: ``fn()`` captured into a CUDA graph through ``capture.capturing``
+    (module docstring); ``release(graph)`` is how BlockGraphs drops one (the pool then knows when a
+    handle's last graph is gone)."""
 
     def __init__(self):
-        self.pool = None
+        self.pool = GraphPool()
         self.streams = {}
 
     def __call__(self, fn):
@@ -119,19 +127,12 @@ class CudaCapture:
         s = self.streams.get(dev)
         if s is None:
             s = self.streams[dev] = torch.cuda.Stream()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
-        cur = torch.cuda.current_stream()
-        s.wait_stream(cur)
-        with _allocator_notes_silenced(), no_host_syncs(), torch.cuda.stream(s):
-            g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                fn()
-            finally:
-                g.capture_end()
-        cur.wait_stream(s)
+        with capturing(self.pool, s) as g:
+            fn()
         return g
+
+    def release(self, graph):
+        self.pool.release(graph)
 
 
 class BlockGraphs:
@@ -148,16 +149,21 @@ class BlockGraphs:
         self._logged = set()
 
     # ------------------------------------------------------------------ state
+    def _release(self, graph):
+        """Drop one graph: through the capture function (which owns its pool), else reset."""
+        rel = getattr(self.capture_fn, "release", None)
+        if rel is not None:
+            rel(graph)
+        elif graph is not None and hasattr(graph, "reset"):
+            drop_graph(graph)
+
     def drop(self, why: str = ""):
         """Free every graph and buffer (ComfyUI unloaded the model, or weights changed identity)."""
         for e in self.entries.values():
-            if e.graph is not None and hasattr(e.graph, "reset"):
-                drop_graph(e.graph)
+            self._release(e.graph)
         self.entries.clear()
         self.seen.clear()
         self.buffers.clear()
-        if isinstance(self.capture_fn, CudaCapture):
-            self.capture_fn.pool = None  # the pool's memory goes with its last graph
         if why:
             log.info("[flux_numba] per-block CUDA graphs dropped: %s", why)
 
@@ -169,9 +175,7 @@ class BlockGraphs:
             if sig[1] not in sigs and len(sigs) >= self.max_signatures:  # oldest signature's graphs go
                 old = next(iter(self.buffers))[1]
                 for k in [k for k, e in self.entries.items() if e.bufs is not None and k[1] == old]:
-                    e = self.entries.pop(k)
-                    if hasattr(e.graph, "reset"):
-                        drop_graph(e.graph)
+                    self._release(self.entries.pop(k).graph)
                 for k in [k for k in self.buffers if k[1] == old]:
                     del self.buffers[k]
             b = self.buffers[sig] = StageBuffers(inputs)
@@ -206,8 +210,7 @@ class BlockGraphs:
                 self.counts["replay"] += 1
                 return e.bufs.outputs(outputs)
             del self.entries[key]  # weights moved / changed: stale
-            if hasattr(e.graph, "reset"):
-                drop_graph(e.graph)
+            self._release(e.graph)
         if not registry.settled():  # kernels still building: no capture of their stand-ins
             self.seen.pop(key, None)
             self.counts["eager_kernels_building"] += 1
@@ -215,6 +218,10 @@ class BlockGraphs:
         if key in self.failed or self.seen.get(key) != weights:
             self.seen[key] = weights
             self.counts["eager"] += 1
+            return eager()
+        off = captures_off()
+        if off:
+            self.counts["eager_captures_off"] += 1
             return eager()
         why = can_capture() if can_capture is not None else None
         if why:
@@ -233,9 +240,17 @@ class BlockGraphs:
                 t = out[n]
                 if t is not bufs.t[n]:
                     bufs.t[n].copy_(t)
+        graph = None
         try:  # (the calls made while capturing are counted on each replay, not here)
-            with registry.recorded() as usage, (prepare() if prepare is not None else contextlib.nullcontext()):
-                graph = self.capture_fn(body)
+            with registry.recorded() as usage, (prepare() if prepare is not None else contextlib.nullcontext()) as ready:
+                if ready is False:  # staging found weights that are not resident: their copy / patch work
+                    self.seen.pop(key, None)  # would be captured (re-run on every replay): not now
+                    self.counts["eager_not_resident"] += 1
+                else:
+                    graph = self.capture_fn(body)
+        except CapturesOff:
+            self.counts["eager_captures_off"] += 1
+            return eager()
         except Exception as e:
             if is_interrupt(e):
                 raise
@@ -244,6 +259,8 @@ class BlockGraphs:
             self.counts["failed"] += 1
             self.note(("failed", why), "per-block CUDA graph capture failed (%s); that block runs eagerly", why)
             return eager()
+        if graph is None:
+            return eager()
         e = self.entries[key] = _Entry(graph, weights, bufs, usage)
         self.counts["capture"] += 1
         self.note(("captured", stage), "per-block CUDA graphs: captured a %s block (weights resident); replayed "
@@ -251,4 +268,3 @@ class BlockGraphs:
         graph.replay()
         registry.replayed(e.usage)
         return bufs.outputs(outputs)
-

@@ -97,7 +97,9 @@ class BlockContext:
         then also emits the int8 pack, passed to the attention op as ``q8``.
     fp8: the fast profile's weight cache (``flux_core.fast.Fp8Weights``): the fused blocks run their
         GEMMs in fp8 (``flux_core.fast``) where every block Linear's weights are plain tensors
-        (``Weights.linear_ok``), else the exact path; ``fp8_epoch`` the host's weight-patch identity.
+        (``Weights.linear_ok``), else the exact path; ``fp8_epoch`` the host's weight-patch identity;
+        ``keep_plain`` the modulation Linears (ids) whose weights the cache keeps as plain copies
+        (the host would otherwise stream them every step).
     """
     fused: bool = True
     attention: Optional[Callable] = None
@@ -108,6 +110,7 @@ class BlockContext:
     quant8: bool = False
     fp8: Optional[object] = None
     fp8_epoch: object = None
+    keep_plain: frozenset = frozenset()  # ids of modulation Linears the fp8 cache keeps plain copies of
 
     def fp8_block(self, kind, blk, like) -> bool:
         """This block call takes the fp8 path (fast profile, fused order, every Linear handed out as

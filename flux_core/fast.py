@@ -3,7 +3,9 @@
 Block GEMMs -- qkv, proj, MLP up / down, single-block linear1 / linear2 -- run as
 ``torch._scaled_mm`` (cuBLASLt) on fp8 e4m3 operands with row-wise scales: per-token activation
 scales, per-output-channel weight scales, bias and bf16 output in the GEMM's epilogue.  The
-modulation GEMVs, embedders and the final layer stay bf16 (they are not in the blocks' GEMM path).
+modulation GEMVs, embedders and the final layer stay bf16 (they are not in the blocks' GEMM path);
+with ``keep=True``, modulation Linears the host would stream every step (``BlockContext.keep_plain``:
+on a card too small for the model, beyond the DynamicVRAM budget) are kept as plain bf16 copies too.
 
 Every activation quantisation happens in the Numba kernel that writes that GEMM's input (format:
 ``cuda_kernels/fp8_format.py``):
@@ -24,10 +26,12 @@ Otherwise the weight as the host hands it to the block (after LoRA and other wei
     per output channel), into a transient buffer -- no second copy of the weights on the GPU (peak
     as stock's), at the cost of reading the bf16 weights once more per step (23.8 GB read + 11.9 GB
     written for FLUX.1-dev: ~10 ms at the copy bandwidth);
-  * ``keep=True`` (profile ``fast-cached``): once per weight version -- (host epoch, storage pointer,
-    version counter, shape) -- and cached; a new version (LoRA change, reload) re-quantises only
-    that weight.  The cache holds an fp8 copy of bf16 block weights (11.9 GB for FLUX.1-dev) next
-    to the host's.
+  * ``keep=True`` (profile ``fast-cached``): once per weight version -- (host epoch, the module's
+    own weight: storage pointer, version counter, shape) -- and cached; a new version (LoRA change,
+    reload) re-quantises only that weight.  The cache holds an fp8 copy of bf16 block weights
+    (11.9 GB for FLUX.1-dev); while it is current the host is not asked for those weights at all
+    (a DynamicVRAM host streams none of them: on a card too small for the bf16 model the block
+    GEMMs read only the copy).
 A block whose Linears the host hands out neither way (other quantized formats such as nvfp4, weight
 functions on quantized weights, custom ops) runs the exact path (``BlockContext.fp8_block``).
 
@@ -98,39 +102,112 @@ def support(device) -> Optional[str]:
 
 class Fp8Weights:
     """fp8 e4m3 Linear weights with per-output-channel scales (module docstring): made on every
-    call (``keep=False``) or once per weight version and cached (``keep=True``; redone when the
-    weight the host hands out changes -- ``epoch``: the host's weight-patch identity, e.g.
-    ComfyUI's ``current_weight_patches_uuid``)."""
+    call (``keep=False``) or once per weight version and cached (``keep=True``).
+
+    The kept copy is keyed on the weight's *source*, read without casting anything: the host's
+    weight-patch identity (``epoch``: ComfyUI's ``current_weight_patches_uuid``, which changes with
+    every LoRA / strength change) and the module's own weight tensor (storage, version counter,
+    shape, dtype, device).  A hit hands out the copy and its bias without asking the host for the
+    weight at all, so a host that stages weights per call (DynamicVRAM streaming a bf16 model on a
+    small card) never moves the block GEMMs' bf16 weights again once they are cached.  Each entry
+    has a serial number: a graph captured over the copy records the serials it read (``serials``)."""
 
     def __init__(self, keep: bool = True):
         self.keep = keep
-        self._cache = {}
+        self._cache = {}   # id(lin) -> (weakref(lin), source key, q, scales, bias copy, serial)
+        self._plain = {}   # id(lin) -> (weakref(lin), source key, weight copy, bias copy, serial): ``keep_plain``
         self._ones = {}
+        self._serial = 0
         self.quantised = 0  # weights (re)quantised into the cache so far: a LoRA change touches only its weights
 
     def clear(self) -> int:
-        """Free the kept fp8 copies (made again on their next use); returns how many were freed."""
-        n = len(self._cache)
+        """Free the kept copies (made again on their next use); returns how many were freed."""
+        n = len(self._cache) + len(self._plain)
         self._cache.clear()
+        self._plain.clear()
         return n
 
     def nbytes(self) -> int:
-        """Device bytes the kept fp8 copies hold (weights and their scales)."""
-        return sum(e[2].numel() * e[2].element_size() + e[3].numel() * e[3].element_size() for e in self._cache.values())
+        """Device bytes the kept copies hold (fp8 weights, scales, biases, plain copies)."""
+        return sum(t.numel() * t.element_size() for d, sl in ((self._cache, slice(2, 5)), (self._plain, slice(2, 4)))
+                   for e in d.values() for t in e[sl] if t is not None)
+
+    def _current(self, table, lin, epoch):
+        hit = table.get(id(lin))
+        if hit is None or hit[0]() is not lin:
+            return None
+        key = self.source_key(lin, epoch)
+        return hit if key is not None and hit[1] == key else None
+
+    def kept_plain(self, lin, epoch):
+        """(weight, bias) of a current plain copy of ``lin`` (``keep_plain``), else None."""
+        hit = self._current(self._plain, lin, epoch) if self.keep else None
+        return None if hit is None else (hit[2], hit[3])
+
+    def keep_plain(self, lin, w, b, epoch):
+        """Keep a copy of the weight / bias the host handed out for ``lin`` as they are (no quantisation):
+        the fast-cached profile's modulation Linears whose weights the host would stream every step
+        (``BlockContext.keep_plain``).  Returns (weight, bias) of the copy."""
+        key = self.source_key(lin, epoch)
+        ent = (w.detach().clone(), None if b is None else b.detach().clone())
+        if key is not None:
+            self._serial += 1
+            self._plain[id(lin)] = (weakref.ref(lin), key) + ent + (self._serial,)
+        return ent
+
+    @staticmethod
+    def source_key(lin, epoch):
+        """The identity of what the host would hand out for ``lin`` (class docstring), or None when
+        the module has no weight tensor to key on."""
+        w = getattr(lin, "weight", None)
+        if not isinstance(w, torch.Tensor):
+            return None
+        return (epoch, w.data_ptr(), tensor_version(w), tuple(w.shape), w.dtype, w.device)
+
+    def cached(self, lin, epoch):
+        """(q, scales [1, N], bias) of a kept copy that is still current for ``lin`` at ``epoch``,
+        else None.  Nothing is cast or staged."""
+        hit = self._current(self._cache, lin, epoch) if self.keep else None
+        return None if hit is None else (hit[2], hit[3], hit[4])
+
+    def serials(self, lins, epoch):
+        """The serial numbers of the current copies (fp8 or plain) of ``lins`` (0: none) -- part of a
+        graph's key."""
+        out = []
+        for lin in lins:
+            hit = self._current(self._cache, lin, epoch) or self._current(self._plain, lin, epoch)
+            out.append(hit[-1] if hit is not None else 0)
+        return tuple(out)
+
+    def block_state(self, kind, blk, epoch, streamed=None):
+        """For one block call of the kept profile: (ids of the Linears whose current copies serve it --
+        the host need not stage or fault them --, the serials of the block's copies for a graph's
+        key, ids of modulation Linears to keep plain copies of: those ``streamed(lin)`` says the host
+        would stream every step)."""
+        lins = block_linears(kind, blk) + modulation_linears(kind, blk)
+        serials = self.serials(lins, epoch)
+        served = frozenset(id(lin) for lin, n in zip(lins, serials) if n)
+        plain = frozenset(id(m) for m in modulation_linears(kind, blk)
+                          if id(m) not in served and streamed is not None and streamed(m))
+        return served, serials, plain
 
     def get(self, lin, w, b, epoch=None):
+        """(q, scales [1, N], bias) for the weight ``w`` / bias ``b`` the host handed out for ``lin``."""
         if not self.keep:  # transient: the quantising rows kernel, one row per output channel
             q, s = ops.quantize_fp8(w.detach())
             return q, s.view(1, -1), b
-        key = (epoch, w.data_ptr(), tensor_version(w), tuple(w.shape), w.dtype, w.device)
-        hit = self._cache.get(id(lin))
-        if hit is not None and hit[0]() is lin and hit[1] == key:
-            return hit[2], hit[3], b
+        hit = self.cached(lin, epoch)
+        if hit is not None:
+            return hit
+        key = self.source_key(lin, epoch)
         q, s = fp8_format.quantize_rows_reference(w.detach())  # rows of W = output channels
-        ent = (q, s.reshape(1, -1).contiguous())
-        self._cache[id(lin)] = (weakref.ref(lin), key) + ent
+        bias = None if b is None else b.detach().clone()  # the host's bias may live in a staging buffer
+        self._serial += 1
+        ent = (q, s.reshape(1, -1).contiguous(), bias)
+        if key is not None:
+            self._cache[id(lin)] = (weakref.ref(lin), key) + ent + (self._serial,)
         self.quantised += 1
-        return ent[0], ent[1], b
+        return ent
 
     def ones(self, N, device):
         """``scale_b`` [1, N] of ones: the per-channel scales of weights stored in fp8 as they are."""
@@ -173,8 +250,11 @@ def scaled_mm(xq, xs, wq, ws, bias, out_dtype=torch.bfloat16):
 def _linear(lin, q, like, ctx):
     """lin applied to the fp8 activation ``q`` = (values [rows, K], scales [rows, 1]) -> bf16
     [B, L, N] shaped like ``like`` [B, L, *]."""
-    p8 = ctx.host.linear_fp8(lin, like)
-    if p8 is not None:  # fp8-stored weights (unscaled or per-tensor scaled): the GEMM's operand as they are
+    kept = ctx.fp8.cached(lin, ctx.fp8_epoch)
+    p8 = None if kept is not None else ctx.host.linear_fp8(lin, like)
+    if kept is not None:  # the kept copy is current: the host's weight is not asked for (nothing staged)
+        wq, ws, b = kept
+    elif p8 is not None:  # fp8-stored weights (unscaled or per-tensor scaled): the GEMM's operand as they are
         wq, b, scale = p8
         ws = ctx.fp8.stored_scales(wq.shape[0], wq.device, scale)
     else:
@@ -188,12 +268,32 @@ def _linear(lin, q, like, ctx):
     return out.view(B, L, -1)
 
 
+def modulation_linears(kind, blk):
+    """The modulation Linears of a FLUX block (bf16 GEMVs in every profile)."""
+    return [blk.img_mod.lin, blk.txt_mod.lin] if kind == "double" else [blk.modulation.lin]
+
+
+def _modulation(mod, sv, ctx):
+    """``modulation(mod, sv)``, from the kept plain copy of its Linear where there is one (or where
+    ``ctx.keep_plain`` asks for one: made here from the weights the host hands out)."""
+    lin = mod.lin
+    kept = ctx.fp8.kept_plain(lin, ctx.fp8_epoch)
+    if kept is None and id(lin) in ctx.keep_plain:
+        pw = ctx.host.linear(lin, sv)
+        if pw is not None:
+            kept = ctx.fp8.keep_plain(lin, pw[0], pw[1], ctx.fp8_epoch)
+        ctx.host.release()
+    if kept is None:
+        return modulation(mod, sv)
+    return torch.nn.functional.linear(sv, kept[0], kept[1]).chunk(mod.multiplier, dim=-1)
+
+
 def double_block(blk, img, txt, vec, pe, mask, ctx):
     """The double block of ``blocks.double_block`` (fused order) with fp8 GEMMs."""
     H = blk.num_heads
     sv = ctx.silu(vec)
-    i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = modulation(blk.img_mod, sv)
-    t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = modulation(blk.txt_mod, sv)
+    i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = _modulation(blk.img_mod, sv, ctx)
+    t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = _modulation(blk.txt_mod, sv, ctx)
     eps = ctx.eps
     Lt = txt.shape[1]
     img_qkv = _linear(blk.img_attn.qkv, ops.ln_modulate_fp8(img, i_sh1, i_sc1, eps), img, ctx)
@@ -222,7 +322,7 @@ def single_block(blk, x, vec, pe, mask, ctx):
     """The single block of ``blocks.single_block`` (fused order) with fp8 GEMMs."""
     H, C = blk.num_heads, blk.hidden_size
     sv = ctx.silu(vec)
-    sh, sc, g = modulation(blk.modulation, sv)
+    sh, sc, g = _modulation(blk.modulation, sv, ctx)
     lin1 = _linear(blk.linear1, ops.ln_modulate_fp8(x, sh, sc, ctx.eps), x, ctx)
     qkv, mlp = lin1[..., :3 * C], lin1[..., 3 * C:]
     parts, qk_eps = qk_parts([(qkv, blk)], ctx)

@@ -22,21 +22,24 @@ and terminate the process):
   * the capture runs with the same mode (a sync raises before it reaches the driver: the capture
     stays valid and is ended and dropped) and ``capture_error_mode="thread_local"`` (another
     thread's CUDA calls, e.g. a server thread's, neither invalidate it nor fail);
-  * the allocator's benign "freeAsync() was called on an uncaptured allocation" (a tensor from
-    before the capture released inside it: torch defers that free) is not printed; graphs are
-    dropped through ``reset()`` under the same filter, as ComfyUI's own block graphs are.
+  * the capture itself goes through ``capture.capturing`` (pool handles never reused after their
+    last graph, the allocator's recording ended after any failure, the garbage collector paused,
+    capturing stopped for the process on an allocator assert): no capture can leave torch's
+    allocators broken for the rest of the process.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from ..cuda_kernels import registry
+from .capture import (GraphPool, CapturesOff, allocator_notes_silenced, capturing, captures_off,  # noqa: F401
+                      drop_graph, in_probe, no_host_syncs)
+
+_allocator_notes_silenced = allocator_notes_silenced  # (the older name, kept for callers)
 
 log = logging.getLogger("flux_numba")
 
@@ -59,43 +62,6 @@ def is_interrupt(e: BaseException) -> bool:
     """ComfyUI's cancel (``InterruptProcessingException``, raised inside any op): graph wrappers let
     it propagate instead of treating it as a failed warm-up or capture."""
     return type(e).__name__ == "InterruptProcessingException"
-
-
-_probe = threading.local()
-
-
-def in_probe() -> bool:
-    """True inside this thread's sync-checked warm-up or capture (``no_host_syncs``): an error
-    raised there belongs to the graph wrapper (it runs the step eagerly), not to a block fallback."""
-    return getattr(_probe, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def no_host_syncs():
-    """torch raises on an operation that synchronizes the host with the device (sync debug mode
-    "error") while inside; the previous mode is restored on exit."""
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    _probe.depth = getattr(_probe, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _probe.depth -= 1
-        torch.cuda.set_sync_debug_mode(prev)
-
-
-@contextlib.contextmanager
-def _allocator_notes_silenced():
-    """The allocator's benign deferred-free notes (module docstring) are not printed inside."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def drop_graph(graph):
-    """Free a captured graph's memory now, quietly."""
-    with _allocator_notes_silenced():
-        graph.reset()
 
 
 def _sig(x):
@@ -127,7 +93,8 @@ class GraphedForward:
         self.fn, self.module, self.warmup, self.max_graphs = fn, module, max(1, warmup), max_graphs
         self.graphs: Dict[tuple, _Entry] = {}
         self._seen: Dict[tuple, int] = {}  # eager warm-up calls made per signature
-        self.pool = None
+        self.pool = GraphPool()  # every graph of this wrapper is dropped through it (capture.py)
+        self._streams = {}
         self.captures = 0
         self.replays = 0
         self.deferred = None  # why the last capture was put off (``can_capture``), if it was
@@ -148,7 +115,7 @@ class GraphedForward:
         e = self.graphs.get(key)
         if e is not None and e.weights_key != wk:
             log.info("[flux_numba] weights moved since capture: re-capturing the CUDA graph")
-            drop_graph(self.graphs.pop(key).graph)
+            self._release(self.graphs.pop(key))
             self._seen.pop(key, None)
             e = None
         if e is None:
@@ -162,12 +129,12 @@ class GraphedForward:
                 # never syncs the host, or raises before any capture is attempted)
                 with no_host_syncs() if n + 1 == self.warmup else contextlib.nullcontext():
                     return self.fn(*xs)
-            why = can_capture() if can_capture is not None else None
+            why = captures_off() or (can_capture() if can_capture is not None else None)
             if why:
                 self.deferred = why
                 return self.fn(*xs)
             if len(self.graphs) >= self.max_graphs:
-                drop_graph(self.graphs.pop(next(iter(self.graphs))).graph)
+                self._release(self.graphs.pop(next(iter(self.graphs))))
             e = self.graphs[key] = self._capture(xs, wk)
         for s, x in zip(e.static_in, xs):
             s.copy_(x)
@@ -176,13 +143,27 @@ class GraphedForward:
         self.replays += 1
         return e.static_out.clone()
 
+    def _release(self, e: _Entry):
+        """Drop one graph and its static tensors (through the pool: a handle is not reused once its graphs
+        are gone); the allocator's notes on freeing captured memory outside a capture are not printed."""
+        with allocator_notes_silenced():
+            self.pool.release(e.graph)
+            e.static_in = e.static_out = e.graph = None
+
+    def drop_all(self):
+        """Free every graph."""
+        for e in self.graphs.values():
+            self._release(e)
+        self.graphs.clear()
+
     def _capture(self, xs, wk) -> _Entry:
         static_in = [x.clone() for x in xs]
-        g = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with registry.recorded(keep=True) as usage, _allocator_notes_silenced(), no_host_syncs():
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+        dev = torch.cuda.current_device()
+        s = self._streams.get(dev)
+        if s is None:
+            s = self._streams[dev] = torch.cuda.Stream()
+        with registry.recorded(keep=True) as usage:
+            with capturing(self.pool, s) as g:
                 static_out = self.fn(*static_in)
         self.captures += 1
         log.info("[flux_numba] captured a CUDA graph for input shapes %s", [tuple(x.shape) for x in xs])
@@ -219,11 +200,9 @@ class GraphGuard:
 
     def drop(self):
         gf, self.gf = self.gf, None
-        graphs = getattr(gf, "graphs", None)
-        if graphs:
-            for e in graphs.values():
-                drop_graph(e.graph)
-            graphs.clear()
+        drop_all = getattr(gf, "drop_all", None)
+        if drop_all is not None:
+            drop_all()
 
     def run(self, fn: Callable, inputs, weights_key, eager_fn: Callable, can_capture: Optional[Callable] = None):
         """``fn(*inputs)`` through the graph (``fn`` is the closure of this call: a capture records it);

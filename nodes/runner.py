@@ -56,6 +56,7 @@ import torch
 from .host import (ComfyWeights, attention_override, block_attention, block_problem, block_residency, call_problem,
                    capture_headroom, compiler_recording, default_sdpa_attention, flux_types,
                    dynamic_block, fp8_stored_block, flux_attention, release_pins, resolve_block, staged_block,
+                   streamed_weights,
                    weight_epoch)
 
 log = logging.getLogger("flux_numba")
@@ -458,12 +459,16 @@ class _Runner:
         if self.attn_route == "auto" and choice is not None and (choice not in SDPA_BACKENDS or self.sdpa_direct()):
             policy = dict(policy, **{ATTENTION_OP: choice})  # the registry op writes straight into `out`
 
+        skip, kept, plain = frozenset(), (), frozenset()
+        if fp8 is not None and fp8.keep:  # Linears served by kept copies: neither staged nor faulted
+            skip, kept, plain = fp8.block_state(kind, blk, epoch, streamed_weights)
+
         def run(silu_cache, host, img, txt, vec, pe, mask):
             ctx = self.blocks.BlockContext(fused=self.fused, attention=attention, silu_cache=silu_cache,
                                            gemm_epilogue=self.fused and self.opts["backend"] == "auto"
                                            and self.opts["route_norms"],
                                            host=host, quant8=self.policy.get(ATTENTION_OP) == "numba-8bit",
-                                           fp8=fp8, fp8_epoch=epoch)
+                                           fp8=fp8, fp8_epoch=epoch, keep_plain=plain)
             with self.registry.force(**policy):
                 if kind == "double":
                     o_img, o_txt = self.blocks.double_block(blk, img, txt, vec, pe, mask, ctx)
@@ -471,7 +476,7 @@ class _Runner:
                 return {"img": self.blocks.single_block(blk, img, vec, pe, mask, ctx)}
 
         def eager():
-            return self._eager(kind, index, fsig, sig, blk, hit, args, extra, run)
+            return self._eager(kind, index, fsig, sig, blk, hit, args, extra, run, skip)
 
         self.stats["calls"] += 1
         if not use_graph:
@@ -484,21 +489,22 @@ class _Runner:
             finally:
                 w.release()
 
-        wkey, why, pins = block_residency(blk, img.device, epoch)
+        wkey, why, pins = block_residency(blk, img.device, epoch, skip=skip, extra=kept)
         try:
             inputs = {"img": img, "txt": txt, "vec": vec, "pe": pe, "mask": mask} if kind == "double" else \
                 {"img": img, "vec": vec, "pe": pe, "mask": mask}
             out = self.graphs.call((hit[4], sig), kind, wkey, inputs, core, eager,
                                    outputs=("img", "txt") if kind == "double" else ("img",),
-                                   prepare=lambda: staged_block(blk, img.device, hit[2] and STAGE_BLOCKS),
-                                   can_capture=lambda: capture_headroom(pins, img.device))
+                                   prepare=lambda: staged_block(blk, img.device, hit[2] and STAGE_BLOCKS,
+                                                                dtype=img.dtype, skip=skip),
+                                   can_capture=lambda: capture_headroom(pins, img.device, partial=bool(skip)))
         finally:
             release_pins(pins)
         if why is not None:
             self.graph_why[why] = self.graph_why.get(why, 0) + 1
         return out
 
-    def _eager(self, kind, index, fsig, sig, blk, hit, args, extra, run):
+    def _eager(self, kind, index, fsig, sig, blk, hit, args, extra, run, skip=frozenset()):
         """The block on the caller's tensors, with the first-call backup and the fallback policy."""
         img, txt = args["img"], args.get("txt")
         vec, pe, mask = args["vec"], args.get("pe"), args.get("attn_mask")
@@ -507,7 +513,7 @@ class _Runner:
             backup = (img.clone(), None if txt is None else txt.clone())
         versions = (self.version(img), None if txt is None else self.version(txt))
         weights = ComfyWeights()
-        with staged_block(blk, img.device, hit[2] and STAGE_BLOCKS):
+        with staged_block(blk, img.device, hit[2] and STAGE_BLOCKS, skip=skip):
             try:
                 out = run(self.silu_cache, weights, img, txt, vec, pe, mask)
             except Exception as e:

@@ -190,3 +190,54 @@ def test_fp8_copies_stay_while_their_gpu_has_room(monkeypatch):
         mem["free"] = 20
         P._release_fp8_copies(model, exact)
         assert not f8._cache, "20% free: freed"
+
+
+class _CountingHost:
+    """The plain Weights, counting how often a Linear's weights are asked for (a DynamicVRAM host
+    stages them then)."""
+
+    def __init__(self):
+        from flux_numba_pack.flux_core.context import Weights
+        self.base, self.asked = Weights(), []
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def linear(self, lin, x):
+        self.asked.append(id(lin))
+        return self.base.linear(lin, x)
+
+
+def test_kept_copies_serve_without_asking_the_host_and_follow_the_epoch():
+    """fast-cached: once kept, a block GEMM's weights (and a streamed modulation Linear's, kept as a
+    plain copy where ``keep_plain`` asks) are never asked of the host again -- nothing to stage --
+    until the host's weight-patch epoch changes (a LoRA); the results equal a fresh cache's."""
+    m = FluxModel.from_state_dict(tiny_state_dict(seed=6))
+    inp = inputs(m.cfg, B=1, h=6, w=6, Lt=5)
+    mods = [b.modulation.lin for b in m.single_blocks] + [lin for b in m.double_blocks for lin in (b.img_mod.lin, b.txt_mod.lin)]
+    w, host = fast.Fp8Weights(), _CountingHost()
+
+    def run(epoch, keep_plain=frozenset(id(x) for x in mods)):
+        ctx = BlockContext(fused=True, host=host, fp8=w, fp8_epoch=epoch, keep_plain=keep_plain)
+        with torch.no_grad(), registry.force("torch"):
+            return m(*inp, ctx)
+    ref = _run(m, inp, fast.Fp8Weights())   # no plain copies: the modulation Linears called as modules
+    a = run("e1")
+    n_lin = m.cfg.depth * 8 + m.cfg.depth_single_blocks * 2
+    assert len(host.asked) == n_lin + len(mods) and torch.allclose(a, ref, atol=1e-6)
+    served, serials, plain = w.block_state("single", m.single_blocks[0], "e1", streamed=lambda lin: True)
+    blk = m.single_blocks[0]
+    assert served == {id(blk.linear1), id(blk.linear2), id(blk.modulation.lin)} and all(serials) and not plain
+    host.asked.clear()
+    assert torch.equal(run("e1"), a) and host.asked == []          # everything served from the copies
+    with torch.no_grad():
+        blk.modulation.lin.weight.mul_(1.25)                       # patched in place: its copy alone is redone
+    b = run("e1")
+    assert host.asked == [id(blk.modulation.lin)] and not torch.allclose(a, b)
+    assert torch.allclose(b, _run(m, inp, fast.Fp8Weights()), atol=1e-6)
+    host.asked.clear()
+    c = run("e2")                                                  # a new weight-patch epoch (a LoRA): all again
+    assert len(host.asked) == n_lin + len(mods) and torch.equal(b, c)
+    assert w.block_state("single", blk, "e1")[1] == (0, 0, 0)       # old epoch: no current copy
+    with torch.no_grad():
+        blk.modulation.lin.weight.div_(1.25)

@@ -376,8 +376,9 @@ def test_op_weights_for_the_vae_groupnorm(comfy, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- DynamicVRAM staging
-def _fake_prefetch(monkeypatch):
-    """Record ComfyUI's block-prefetch calls (the real ones need comfy-aimdo vbars on a GPU)."""
+def _fake_prefetch(monkeypatch, resident=True):
+    """Record ComfyUI's block-prefetch calls (the real ones need comfy-aimdo vbars on a GPU); a pop
+    that stages leaves ``_prefetch`` on each vbar module as ComfyUI's does (``resident`` or not)."""
     import comfy.model_prefetch as mpf
     log_ = []
 
@@ -386,8 +387,14 @@ def _fake_prefetch(monkeypatch):
         return [None] + list(blocks) + [None]
 
     def pop(queue, device, module, **k):
-        log_.append(("pop", queue[1] if len(queue) > 1 else None))
+        log_.append(("pop", queue[1] if len(queue) > 1 else None) + ((k["dtype"],) if k.get("dtype") else ()))
         queue.pop(0)
+        if queue and queue[0] is not None:
+            roots = queue[0] if isinstance(queue[0], tuple) else (queue[0],)
+            for r in roots:
+                for m in r.modules():
+                    if hasattr(m, "_v"):
+                        m._prefetch = {"resident": resident}
     monkeypatch.setattr(mpf, "make_prefetch_queue", make)
     monkeypatch.setattr(mpf, "prefetch_queue_pop", pop)
     return log_
@@ -396,7 +403,9 @@ def _fake_prefetch(monkeypatch):
 def test_staged_block_uses_comfy_block_prefetch(comfy, monkeypatch):
     """DynamicVRAM: a block's weights are staged at once through ComfyUI's own prefetch queue and
     released on exit, also when the block raises; nothing happens for non-dynamic blocks or hosts
-    without the prefetch queue (v0.8.0)."""
+    without the prefetch queue (v0.8.0).  Staged: whether every weight is resident (a capture's
+    preparation also resolves them first: ``dtype``); modules in ``skip`` (Linears served by the
+    fast profile's kept fp8 copy) are left unstaged."""
     from flux_numba_pack.nodes.host import dynamic_block, staged_block
     mp = tiny_patcher(comfy)
     blk = mp.model.diffusion_model.double_blocks[0]
@@ -405,19 +414,38 @@ def test_staged_block_uses_comfy_block_prefetch(comfy, monkeypatch):
         import comfy.model_prefetch  # noqa: F401
     except ImportError:  # v0.8.0: no prefetch queue, staging is a no-op
         with staged_block(blk, torch.device("cpu"), True) as on:
-            assert on is False
+            assert on is None
         return
     calls = _fake_prefetch(monkeypatch)
     with staged_block(blk, torch.device("cpu"), False) as on:
-        assert on is False
+        assert on is None
     assert calls == []
-    with staged_block(blk, torch.device("cpu"), True) as on:
-        assert on is True and calls == [("make", (blk,), True), ("pop", blk)]
-    assert calls[-1] == ("pop", None) and len(calls) == 3
-    with pytest.raises(RuntimeError):
-        with staged_block(blk, torch.device("cpu"), True):
-            raise RuntimeError("inside the block")
-    assert len(calls) == 6 and calls[-1] == ("pop", None)
+    with staged_block(blk, torch.device("cpu"), True) as on:  # no vbar weights under it: nothing to stage
+        assert on is True
+    assert calls == []
+    lins = [blk.img_attn.qkv, blk.img_mod.lin, blk.txt_mlp[0]]
+    for i, m in enumerate(lins):
+        m._v = ("vbar", i, 1)
+    try:
+        with staged_block(blk, torch.device("cpu"), True) as on:
+            assert on is True and calls == [("make", (blk,), True), ("pop", blk)]
+        assert calls[-1] == ("pop", None) and len(calls) == 3
+        with pytest.raises(RuntimeError):
+            with staged_block(blk, torch.device("cpu"), True):
+                raise RuntimeError("inside the block")
+        assert len(calls) == 6 and calls[-1] == ("pop", None)
+        calls.clear()
+        with staged_block(blk, torch.device("cpu"), True, dtype=torch.bfloat16, skip={id(lins[0])}) as on:
+            assert on is True
+        assert calls[0] == ("make", ((lins[1], lins[2]),), True)
+        assert calls[1] == ("pop", (lins[1], lins[2]), torch.bfloat16)
+        calls[:] = _fake_prefetch(monkeypatch, resident=False)
+        with staged_block(blk, torch.device("cpu"), True, dtype=torch.bfloat16) as on:
+            assert on is False  # a weight not resident after staging: a capture now would record its copy
+    finally:
+        for m in lins:
+            del m._v
+            m.__dict__.pop("_prefetch", None)
 
 
 def test_patched_dynamic_blocks_are_staged_per_call(comfy, monkeypatch):
@@ -432,8 +460,18 @@ def test_patched_dynamic_blocks_are_staged_per_call(comfy, monkeypatch):
     ref = forward(mp, inp)
     calls = _fake_prefetch(monkeypatch)
     monkeypatch.setattr(patch_mod, "dynamic_block", lambda blk: True)
+    dm = mp.model.diffusion_model
+    vmods = [m for blk in list(dm.double_blocks) + list(dm.single_blocks) for m in blk.modules()
+             if isinstance(m, torch.nn.Linear)]
+    for i, m in enumerate(vmods):  # what DynamicVRAM leaves on its weights (ComfyUI's CPU cast path reads around it)
+        m._v = ("vbar", i, 1)
     pm, = Patch().patch(mp, backend="torch")
-    got = forward(pm, inp)
+    try:
+        got = forward(pm, inp)
+    finally:
+        for m in vmods:
+            del m._v
+            m.__dict__.pop("_prefetch", None)
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), rel_err(got, ref)
     st = patch_stats(pm)
     assert st["fallbacks"] == 0 and st["calls"] == N_BLOCKS
@@ -761,7 +799,7 @@ def test_block_graphs_follow_residency_and_equal_stock(comfy, monkeypatch, case)
     calls = {}
     moved = {"after": None}
 
-    def fake_residency(blk, device, epoch):
+    def fake_residency(blk, device, epoch, **k):
         n = calls[id(blk)] = calls.get(id(blk), 0) + 1
         if n % 3 == 0:
             return None, "weights not resident (stand-in)", ()
@@ -808,7 +846,7 @@ def test_block_graphs_off_where_another_node_wraps_the_blocks(comfy, monkeypatch
     run eagerly (no static buffers handed out)."""
     import flux_numba_pack.nodes.runner as patch_mod
     from test_block_graphs import Recorder
-    monkeypatch.setattr(patch_mod, "block_residency", lambda blk, device, epoch: (("r", id(blk)), None, ()))
+    monkeypatch.setattr(patch_mod, "block_residency", lambda blk, device, epoch, **k: (("r", id(blk)), None, ()))
     monkeypatch.setattr(patch_mod, "BLOCK_CAPTURE", Recorder())
     mp = tiny_patcher(comfy, torch.float32)
     inner = mp.clone()
@@ -827,9 +865,13 @@ class _FakeVbar:
     """comfy-aimdo's ModelVBAR as the host sees it: page signatures per fault, a budget, a pin count."""
     def __init__(self, pages=8, watermark=8):
         self.offset, self.wm, self.pins, self.gen, self.full = pages * (32 << 20), watermark, 0, 0, False
+        self.loaded = self.offset
 
     def get_watermark(self):
         return self.wm
+
+    def loaded_size(self):
+        return self.loaded
 
 
 class _FakeModelVbar:
@@ -892,6 +934,14 @@ def test_block_residency_faults_each_dynamic_module_and_compares_signatures(monk
     blk[0].weight_function = [lambda w: w]
     k6, why, pins = host.block_residency(blk, dev, "epoch")
     assert k6 is None and "weight functions" in why and not pins
+    # a module served by the fast profile's kept copy: neither faulted nor checked (its weight functions
+    # went into the copy), the copies' serials are part of the key instead (_v_block is not used then)
+    k7, why, pins = host.block_residency(blk, dev, "epoch", skip={id(blk[0])}, extra=(3,))
+    assert why is None and pins == (blk[1]._v,) and vb.pins == 1
+    host.release_pins(pins)
+    k8, _, pins = host.block_residency(blk, dev, "epoch", skip={id(blk[0])}, extra=(4,))  # re-quantised
+    host.release_pins(pins)
+    assert k8 != k7 and vb.pins == 0
 
 
 def test_vae_graph_state_under_dynamic_vram(monkeypatch):
@@ -926,17 +976,41 @@ def test_vae_graph_state_under_dynamic_vram(monkeypatch):
 
 
 def test_capture_headroom_refuses_streamed_weights_and_low_memory(monkeypatch):
+    """No capture while the DynamicVRAM budget cannot hold the model (its weights are streamed: a
+    capture's allocation could make comfy-aimdo evict pages inside it) or memory is short; a call
+    that reads only part of the model (the fast profile's kept copies serve its GEMMs) needs room
+    below the budget for the pages resident now."""
     from flux_numba_pack.nodes.host import flux as host
     dev = torch.device("cuda", 0)
     vb = _FakeVbar(pages=8, watermark=6)
     why = host.capture_headroom(((vb, 0, 1),), dev)
     assert why and "budget holds 6 of the model's 8" in why
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (40 << 30, 80 << 30))
+    vb.loaded = 6 * (32 << 20)           # streamed through the whole budget
+    assert "used up by the 6 pages" in host.capture_headroom(((vb, 0, 1),), dev, partial=True)
+    vb.loaded = 3 * (32 << 20)           # the pages this model's calls fault fit with room to spare
+    assert host.capture_headroom(((vb, 0, 1),), dev, partial=True) is None
     vb.wm = 8
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (1 << 30, 80 << 30))
     assert "1.0 GB free" in host.capture_headroom(((vb, 0, 1),), dev)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (40 << 30, 80 << 30))
     assert host.capture_headroom(((vb, 0, 1),), dev) is None
     assert host.capture_headroom((), torch.device("cpu")) is None
+
+
+def test_streamed_weights_are_those_beyond_the_vbar_watermark():
+    """comfy-aimdo keeps a vbar's pages below its watermark resident and streams the rest: a module
+    whose allocation ends beyond it is streamed on every call (the fast profile keeps a copy)."""
+    from flux_numba_pack.nodes.host import flux as host
+    vb = _FakeVbar(pages=8, watermark=4)
+    vb.base_addr = 1 << 40
+    page = 32 << 20
+    low, high, plain = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    low._v = (vb, vb.base_addr + page, 2 * page)        # pages 1-2
+    high._v = (vb, vb.base_addr + 3 * page, 2 * page)   # pages 3-4: ends beyond a watermark of 4 pages
+    assert not host.streamed_weights(low) and host.streamed_weights(high) and not host.streamed_weights(plain)
+    vb.wm = 8
+    assert not host.streamed_weights(high)
 
 
 def test_checkpoint_chosen_block_attention_is_honoured(comfy):
@@ -985,7 +1059,7 @@ def test_graphs_stand_down_while_comfys_compiler_records(comfy, monkeypatch, cap
         monkeypatch.setitem(sys.modules, "comfy.model_prefetch", fake)
     assert host.compiler_recording() is None
     rec = Recorder()
-    monkeypatch.setattr(patch_mod, "block_residency", lambda blk, device, epoch: (("r", id(blk)), None, ()))
+    monkeypatch.setattr(patch_mod, "block_residency", lambda blk, device, epoch, **k: (("r", id(blk)), None, ()))
     monkeypatch.setattr(patch_mod, "BLOCK_CAPTURE", rec)
     mp = tiny_patcher(comfy, torch.float32)
     pm, = Patch().patch(mp, backend="torch", cuda_graph="auto")

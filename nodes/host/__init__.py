@@ -15,7 +15,7 @@ from .flux import (ATTENTION_OVERRIDE, PATCHES_IN_BLOCKS, ComfyWeights, attentio
                    block_attention, block_problem, block_residency, call_problem, capture_headroom,
                    compiler_recording, compute_device, default_sdpa_attention, dynamic_block, flux_attention,
                    flux_types, fp8_stored_block, graph_state, op_weights, release_pins, resolve_block,
-                   staged_block, stock_rope, weight_epoch)
+                   staged_block, stock_rope, streamed_weights, weight_epoch)
 from .versions import TESTED, comfy_version, features, log_once  # noqa: F401
 from .wrappers import (conds_to_device, drop_on_unload, guider_device, guider_transformer_options,  # noqa: F401
                        inner_wrappers, install_conds_on_device, install_diffusion_wrapper, install_sampling_wrappers,

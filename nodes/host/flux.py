@@ -160,23 +160,57 @@ def dynamic_block(blk) -> bool:
     return any(hasattr(m, "_v") for m in blk.modules())
 
 
-@contextlib.contextmanager
-def staged_block(blk, device, dynamic: bool):
-    """Stage every DynamicVRAM weight of ``blk`` for the duration of the block, the way ComfyUI's own
-    block prefetch does (``make_prefetch_queue`` / ``prefetch_queue_pop``: fault all of the block's
-    vbar weights, one offload-stream sync; on exit the offload stream waits for the block's work and
-    the weights are unpinned).  The block's ops (and our casts through ``ComfyWeights``) then take
-    the staged weights without a per-op stream round trip.  ``dynamic``: ``dynamic_block(blk)``,
-    cached by the caller.  No-op when not dynamic, or the host has no prefetch queue, or ComfyUI
-    declines to make one (no offload streams, CPU device)."""
-    mp = _prefetch_module() if dynamic else None
-    q = mp.make_prefetch_queue([blk], device, {"prefetch_dynamic_vbars": True}) if mp is not None else None
-    if q is None:
-        yield False
-        return
-    mp.prefetch_queue_pop(q, device, None)  # stages blk (queue[0] after the leading None)
+def _pop_takes_dtype(mp) -> bool:
+    import inspect
     try:
-        yield True
+        ps = inspect.signature(mp.prefetch_queue_pop).parameters
+    except (TypeError, ValueError):
+        return False
+    return "dtype" in ps or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
+
+
+def _vbar_modules(roots, skip):
+    """The DynamicVRAM (vbar) modules under ``roots``, minus the modules in ``skip`` (ids)."""
+    out = []
+    for root in roots:
+        for m in root.modules():
+            if "_v" in m.__dict__ and id(m) not in skip:
+                out.append(m)
+    return out
+
+
+@contextlib.contextmanager
+def staged_block(blk, device, dynamic: bool, dtype=None, skip=frozenset()):
+    """Stage the DynamicVRAM weights of ``blk`` for the duration of the block, the way ComfyUI's own
+    block prefetch does (``make_prefetch_queue`` / ``prefetch_queue_pop``: fault the weights, one
+    offload-stream sync; on exit the offload stream waits for the block's work and the weights are
+    unpinned).  The block's ops (and our casts through ``ComfyWeights``) then take the staged
+    weights without a per-op stream round trip.  ``dynamic``: ``dynamic_block(blk)``, cached by the
+    caller; ``skip``: ids of modules the call will not cast (Linears served by the fast profile's
+    kept fp8 copy), left unstaged -- on a card too small for the model their bf16 weights are not
+    streamed.  ``dtype`` (a capture's preparation): each staged weight is also resolved the way
+    ComfyUI's own graph path does before a capture (copied, cast, LoRA-patched and written back to
+    its VRAM page), so the capture itself only reads resident weights.
+
+    Yields None when nothing was staged (not dynamic, no prefetch queue on this host, ComfyUI
+    declined: no offload streams, a CPU device), else whether every staged weight is resident now
+    (False: a capture now would record their copy / patch work)."""
+    mp = _prefetch_module() if dynamic else None
+    mods = _vbar_modules([blk], skip) if mp is not None else []
+    if mp is not None and not mods:
+        yield True  # every vbar weight is served elsewhere: nothing to stage
+        return
+    root = blk if not skip else tuple(mods)
+    q = mp.make_prefetch_queue([root], device, {"prefetch_dynamic_vbars": True}) if mp is not None else None
+    if q is None:
+        yield None
+        return
+    if dtype is not None and _pop_takes_dtype(mp):
+        mp.prefetch_queue_pop(q, device, None, dtype=dtype)  # stages root (queue[0] after the leading None)
+    else:  # (a host without the resolve step: weights not resident before are reported as such)
+        mp.prefetch_queue_pop(q, device, None)
+    try:
+        yield all(bool((getattr(m, "_prefetch", None) or {}).get("resident")) for m in mods)
     finally:
         mp.prefetch_queue_pop(q, device, None)  # offload stream waits on the block's work; unpin
 
@@ -543,7 +577,7 @@ class _Residency:
         return all(cmp(a, b) for a, b in zip(self.sigs, other.sigs))
 
 
-def block_residency(blk, device, epoch):
+def block_residency(blk, device, epoch, skip=frozenset(), extra=()):
     """(residency key or None, why not, pinned vbar allocations) of a FLUX block for one call.
 
     DynamicVRAM weights: faulted (made resident and pinned) through comfy-aimdo's ``vbar_fault`` --
@@ -552,16 +586,20 @@ def block_residency(blk, device, epoch):
     (``comfy.model_prefetch``) check residency; the caller unpins them (``release_pins``) once the
     block's work is queued.  A fault that finds no room (streamed weights) -> None.  Other
     parameters must be on ``device`` (else: offloaded -> None); weight / bias functions (on-the-fly
-    LoRA) -> None (a graph would freeze them)."""
+    LoRA) -> None (a graph would freeze them).  ``skip``: ids of modules the call does not read
+    (Linears served by the fast profile's kept fp8 copy: neither faulted nor checked; their
+    copies' identity comes in ``extra``)."""
     if device.type != "cuda":
         return None, "not a CUDA device", ()
     idx = device.index if device.index is not None else torch.cuda.current_device()
     mv = None
-    allocs, rest = [], [epoch]
-    vblock = blk.__dict__.get("_v_block")
+    allocs, rest = [], [epoch, tuple(extra)]
+    vblock = blk.__dict__.get("_v_block") if not skip else None
     if vblock is not None:
         allocs.append(vblock)
     for m in blk.modules():
+        if id(m) in skip:
+            continue
         d = m.__dict__
         if _has_weight_functions(m):
             return None, f"weight functions on a {type(m).__name__} (on-the-fly LoRA / patches)", ()
@@ -592,16 +630,19 @@ def block_residency(blk, device, epoch):
 
 VBAR_PAGE = 32 << 20  # comfy-aimdo's VBAR_PAGE_SIZE
 CAPTURE_HEADROOM = 3 << 30  # free device memory a block capture needs around it (its allocations)
+BUDGET_SLACK_PAGES = 2  # pages of a vbar's budget left unused before the pack captures over it
 
 
-def capture_headroom(pinned, device) -> Optional[str]:
+def capture_headroom(pinned, device, partial: bool = False) -> Optional[str]:
     """None when capturing a block now cannot make the memory manager move weights inside the
     capture, else why.  A capture allocates the block's temporaries; if that allocation has to make
-    room -- comfy-aimdo evicting weight pages when the DynamicVRAM budget is exceeded -- the capture is
-    invalidated, and under cudaMallocAsync the frees that follow terminate the process (seen with
-    ``--reserve-vram 118``).  So: every vbar the block's weights live in must hold all of the model's
-    weight pages within its budget (comfy-aimdo's watermark), and ``device`` must have
-    ``CAPTURE_HEADROOM`` free."""
+    room -- comfy-aimdo evicting weight pages when its DynamicVRAM budget is used up -- the capture
+    is invalidated (seen with ``--reserve-vram 118`` while a bf16 model was streamed).  So every
+    vbar the block's weights live in must hold all of the model's weight pages within its budget
+    (comfy-aimdo's watermark) -- or, with ``partial`` (the call reads only some of the model's
+    weights: the fast profile's kept fp8 copies serve the block GEMMs, whose bf16 pages are never
+    faulted), have room below the budget for the pages resident now plus ``BUDGET_SLACK_PAGES`` --
+    and ``device`` must have ``CAPTURE_HEADROOM`` free."""
     if device.type != "cuda":
         return None
     seen = set()
@@ -613,11 +654,15 @@ def capture_headroom(pinned, device) -> Optional[str]:
         try:
             used = -(-int(vb.offset) // VBAR_PAGE)
             budget = int(vb.get_watermark())
+            loaded = -(-int(vb.loaded_size()) // VBAR_PAGE) if partial and budget < used else 0
         except Exception as e:
             return f"cannot read the DynamicVRAM budget ({type(e).__name__})"
-        if budget < used:
+        if budget < used and not partial:
             return (f"the DynamicVRAM budget holds {budget} of the model's {used} weight pages "
                     f"(weights are streamed: no graphs under memory pressure)")
+        if budget < used and loaded + BUDGET_SLACK_PAGES > budget:
+            return (f"the DynamicVRAM budget ({budget} of the model's {used} weight pages) is used up by the "
+                    f"{loaded} pages resident now (weights are streamed: no graphs under memory pressure)")
     try:
         free = torch.cuda.mem_get_info(device)[0]
     except Exception as e:
@@ -625,6 +670,22 @@ def capture_headroom(pinned, device) -> Optional[str]:
     if free < CAPTURE_HEADROOM:
         return f"{free / 2 ** 30:.1f} GB free on {device} (a capture needs {CAPTURE_HEADROOM >> 30} GB)"
     return None
+
+
+def streamed_weights(m) -> bool:
+    """True when ``m``'s DynamicVRAM weights lie beyond comfy-aimdo's budget: the vbar keeps the pages
+    below its watermark resident and streams every page above it on each call (the layout is fixed
+    when the model is first loaded: ComfyUI places the largest weights first).  False for anything
+    else (not DynamicVRAM, or the budget cannot be read)."""
+    v = m.__dict__.get("_v")
+    if v is None:
+        return False
+    try:
+        vb, addr, size = v
+        end = -(-(int(addr) - int(vb.base_addr) + int(size)) // VBAR_PAGE)
+        return end > int(vb.get_watermark())
+    except Exception:
+        return False
 
 
 def release_pins(pinned):
