@@ -9,8 +9,11 @@
 #                           (cprofile, torch busy share + idle gaps, trace) of each case
 #   srvmatrix               the #23 server matrix (CASES, FLAGS env: see below)
 #   bench                   bench.py step times (v0.8.0's Flux module) for every variant of VARIANTS
+#                           (BENCH_ENV: NAME=value words for its environment, e.g. NUMBA_CACHE_DIR=/tmp/empty
+#                           to time a first run after an install)
 #   vae                     bench/gpu_vae.py --decoder-only (v0.8.0 and v0.33.0)
-#   servers                 one server per SERVERS entry (TAG|TREE|FLAGS|CASES|REPEAT|EXTRA ARGS;...)
+#   servers                 one server per SERVERS entry (TAG|TREE|FLAGS|CASES|REPEAT|EXTRA ARGS;...; @R@ in
+#                           EXTRA ARGS is this call's result folder, e.g. --profile @R@/prof_x)
 #   launch                  bench/gpu_launch_cost.py (host us per kernel launch by route)
 #   attn                    bench/gpu_attn_kernels.py (attention kernels at [1,24,4608,128])
 #   pytest                  tests on the GPU (PYTEST_ARGS files / options, PYTEST_K a -k expression)
@@ -54,7 +57,7 @@ for part in ${PARTS:-server033 bench vae}; do
     launch)
       timeout ${LAUNCH_T:-60} python3 bench/gpu_launch_cost.py --n ${LAUNCH_N:-20000} > "$R/launch.txt" 2>&1;;
     bench)
-      COMFYUI_PATH=$COMFY080 timeout ${BENCH_T:-220} python3 bench.py \
+      env ${BENCH_ENV:-} COMFYUI_PATH=$COMFY080 timeout ${BENCH_T:-220} python3 bench.py \
         --variants ${VARIANTS:-stock,exact,exact+graph,fast,fast+graph,fast-cached,fast-cached+graph,attn8} \
         --reps 5 ${BENCH_ARGS:-} --json "$R/bench.json" > "$R/bench.txt" 2>&1;;
     attn)     # the attention kernels at the FLUX shape (bench/gpu_attn_kernels.py)

@@ -742,8 +742,10 @@ def main():
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--res", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=2, help="runs per case; the last one is reported")
-    p.add_argument("--interleave", action="store_true", help="alternate the cases run by run (drift hits all alike); "
-                   "the table then also gives each case's median over runs 2..N")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=False,
+                   help="alternate the cases run by run (drift hits all alike); the table then also gives each "
+                   "case's median over runs 2..N (--no-interleave: each case's runs in a row -- a later run of a "
+                   "case then shows its speed without a switch of weights or LoRA before it)")
     p.add_argument("--weights", default="/dev/shm/flux1_dev_random.safetensors")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--json", help="write all results here")
