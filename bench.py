@@ -198,7 +198,7 @@ def _wait_for_kernel_build(dev):
     if dev.type != "cuda":
         return
     from flux_numba_pack.cuda_kernels import prebuild
-    b = prebuild.current()
+    b = prebuild.current() or prebuild.start(dev)  # (started here when nothing imported the nodes yet)
     if b is None or b.done.is_set():
         return
     t0 = time.time()

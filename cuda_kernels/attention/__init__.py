@@ -101,14 +101,33 @@ def _sdpa_priority():
 
 
 _PRIORITY = _sdpa_priority()
+_ORDER_SET = set()  # devices whose default SDPA backend order torch has settled
+
+
+def settle_default_order(device):
+    """Make torch settle its default SDPA backend order on ``device`` before the pack ever saves and
+    restores it.  torch picks that default lazily, at its first attention dispatch (cuDNN first on
+    Hopper / Blackwell with a recent cuDNN, else flash first); ``sdpa_kernel(set_priority=True)``
+    saves the order on entry and sets it back on exit -- used before that first dispatch, it saves
+    the generic flash-first list and, on exit, makes it the process's order for good: every later
+    stock attention then ran torch's flash kernel (~0.8 ms instead of ~0.45 at FLUX's shape on an
+    H200; ComfyUI v0.8.0 stock ~11% slower per image after a first patched prompt).  One tiny
+    attention call per device settles it; the save / restore is then exact."""
+    if device in _ORDER_SET:
+        return
+    q = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
+    F.scaled_dot_product_attention(q, q, q)
+    _ORDER_SET.add(device)
 
 
 def cudnn_attention(q, k, v, mask=None, out=None, q8=None):
     """The reference with cuDNN's fused attention tried first (then flash / efficient / math, so a
-    call cuDNN declines still runs).  torch's own order tries FLASH first (on an H200 pytorch's flash
-    kernel takes ~0.85 ms at [1,24,4608,128], cuDNN ~0.45); auto times both per shape."""
+    call cuDNN declines still runs).  torch's own order tries FLASH first where it does not prefer
+    cuDNN (on an H200 pytorch's flash kernel takes ~0.85 ms at [1,24,4608,128], cuDNN ~0.45); auto
+    times both per shape.  The process's order is left exactly as it was (``settle_default_order``)."""
     if not torch.backends.cuda.cudnn_sdp_enabled():  # disabled since the registry chose this backend
         return reference(q, k, v, mask, out)  # (its decision is remembered): torch's own order, as asked
+    settle_default_order(q.device)
     ctx, order = _PRIORITY
     with ctx(order, set_priority=True):
         return reference(q, k, v, mask, out)
@@ -121,6 +140,7 @@ def check_cudnn(q, k, v, mask=None, out=None, q8=None):
         return "this torch cannot set an SDPA backend order (torch.nn.attention.sdpa_kernel(set_priority=))"
     if not torch.backends.cuda.cudnn_sdp_enabled():
         return "cuDNN SDPA is disabled in torch.backends.cuda"
+    settle_default_order(q.device)  # (outside any capture: the registry checks before it runs an op)
     return None
 
 
