@@ -36,10 +36,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..cuda_kernels import registry
-from .capture import (GraphPool, CapturesOff, allocator_notes_silenced, capturing, captures_off,  # noqa: F401
-                      drop_graph, in_probe, no_host_syncs)
-
-_allocator_notes_silenced = allocator_notes_silenced  # (the older name, kept for callers)
+from .capture import GraphPool, allocator_notes_silenced, capturing, captures_off, no_host_syncs
 
 log = logging.getLogger("flux_numba")
 

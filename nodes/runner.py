@@ -151,7 +151,7 @@ def _graph_probe() -> bool:
     an error there is the graph wrapper's to handle (it runs the step eagerly and stops capturing)
     -- not a reason to turn the fused path off for the model."""
     try:
-        from ..flux_core.graphs import in_probe
+        from ..flux_core.capture import in_probe
         return in_probe() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
     except Exception:
         return False
