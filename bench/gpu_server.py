@@ -421,6 +421,18 @@ LORA_RANK = 16
 LORA_FILE = "flux_lora_random.safetensors"
 
 
+LORA_SUFFIX = re.compile(r"_lora(b?)([0-9.]+)?$")  # _lora: after the patch, _lorab: before it; [strength]
+
+
+def split_lora(case):
+    """(the case without its LoRA suffix, the suffix, LoRA before the patch?, strength), or
+    (case, "", None, None) for a case without a LoRA."""
+    m = LORA_SUFFIX.search(case)
+    if m is None:
+        return case, "", None, None
+    return case[: m.start()], m.group(0), m.group(1) == "b", float(m.group(2) or 1.0)
+
+
 def write_lora(path, seed=1):
     """A random rank-16 LoRA over every block Linear of FLUX.1-dev (ComfyUI's generic
     ``<key>.lora_up.weight`` / ``.lora_down.weight`` / ``.alpha`` format, bf16, ~110 MB): up / down
@@ -546,10 +558,7 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     if case in VAE_CASES:
         return decode_graph(case, res, seed, vae)
     name = prefix + case  # the SaveImage prefix: the case's full name (image_psnr pairs files by it)
-    lora = re.search(r"_lora(b?)(?:([0-9.]+))?$", case)  # _lora: after the patch, _lorab: before it; strength
-    if lora:
-        lora_before, lora_strength = lora.group(1) == "b", float(lora.group(2) or 1.0)
-        case = case[: lora.start()]
+    case, lora, lora_before, lora_strength = split_lora(case)
     fp8 = case.endswith("_fp8")
     case = case[: -len("_fp8")] if fp8 else case
     eager = case.endswith("_eager")  # cuda_graph off: every block eager (the host path's own cost)
@@ -575,10 +584,13 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     if control:
         g["sdpa"] = {"class_type": "FluxNumbaBenchSDPA", "inputs": {"model": model, "backend": control}}
         model = ["sdpa", 0]
-    if lora and (lora_before or not patched):
+
+    def with_lora(model):
         g["lora"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": model, "lora_name": LORA_FILE,
                                                                      "strength_model": lora_strength}}
-        model = ["lora", 0]
+        return ["lora", 0]
+    if lora and (lora_before or not patched):
+        model = with_lora(model)
     if patched:
         g["patch"] = {"class_type": "FluxNumbaPatch", "inputs": {
             "model": model, "profile": profile, "route_norms": True, "attention": "sdpa" if sdpa else "auto",
@@ -589,9 +601,7 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
             g["vpatch"] = {"class_type": "FluxNumbaVAEPatch", "inputs": {"vae": vae_ref, "enabled": True, "backend": "auto"}}
             vae_ref = ["vpatch", 0]
     if lora and patched and not lora_before:  # LoRA after the patch: a clone of the patched model
-        g["lora"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": model, "lora_name": LORA_FILE,
-                                                                     "strength_model": lora_strength}}
-        model = ["lora", 0]
+        model = with_lora(model)
     cache = {"easycache": "EasyCache", "stock_easycache": "EasyCache",
              "lazycache": "LazyCache", "stock_lazycache": "LazyCache"}.get(case)
     if cache:
@@ -623,10 +633,8 @@ def image_psnr(out_dir, cases, interleaved):
         return {}
     res = {}
     for case in cases:
-        lo = re.search(r"_lorab?(?:[0-9.]+)?$", case)
-        base = case[: lo.start()] if lo else case
-        ref = ("stock_fp8" if base.endswith("_fp8") else "stock") + (case[lo.start():].replace("_lorab", "_lora")
-                                                                    if lo else "")
+        base, lora = split_lora(case)[:2]
+        ref = ("stock_fp8" if base.endswith("_fp8") else "stock") + lora.replace("_lorab", "_lora")
         if case == ref or ref not in cases or case in VAE_CASES:
             continue
         out = []

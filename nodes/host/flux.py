@@ -169,14 +169,9 @@ def _pop_takes_dtype(mp) -> bool:
     return "dtype" in ps or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
 
 
-def _vbar_modules(roots, skip):
-    """The DynamicVRAM (vbar) modules under ``roots``, minus the modules in ``skip`` (ids)."""
-    out = []
-    for root in roots:
-        for m in root.modules():
-            if "_v" in m.__dict__ and id(m) not in skip:
-                out.append(m)
-    return out
+def _vbar_modules(blk, skip):
+    """The DynamicVRAM (vbar) modules of ``blk``, minus the modules in ``skip`` (ids)."""
+    return [m for m in blk.modules() if "_v" in m.__dict__ and id(m) not in skip]
 
 
 @contextlib.contextmanager
@@ -196,7 +191,7 @@ def staged_block(blk, device, dynamic: bool, dtype=None, skip=frozenset()):
     declined: no offload streams, a CPU device), else whether every staged weight is resident now
     (False: a capture now would record their copy / patch work)."""
     mp = _prefetch_module() if dynamic else None
-    mods = _vbar_modules([blk], skip) if mp is not None else []
+    mods = _vbar_modules(blk, skip) if mp is not None else []
     if mp is not None and not mods:
         yield True  # every vbar weight is served elsewhere: nothing to stage
         return
@@ -633,6 +628,11 @@ CAPTURE_HEADROOM = 3 << 30  # free device memory a block capture needs around it
 BUDGET_SLACK_PAGES = 2  # pages of a vbar's budget left unused before the pack captures over it
 
 
+def _pages(nbytes) -> int:
+    """comfy-aimdo pages spanned by ``nbytes`` from a vbar's start (rounded up)."""
+    return -(-int(nbytes) // VBAR_PAGE)
+
+
 def capture_headroom(pinned, device, partial: bool = False) -> Optional[str]:
     """None when capturing a block now cannot make the memory manager move weights inside the
     capture, else why.  A capture allocates the block's temporaries; if that allocation has to make
@@ -652,9 +652,9 @@ def capture_headroom(pinned, device, partial: bool = False) -> Optional[str]:
             continue
         seen.add(id(vb))
         try:
-            used = -(-int(vb.offset) // VBAR_PAGE)
+            used = _pages(vb.offset)
             budget = int(vb.get_watermark())
-            loaded = -(-int(vb.loaded_size()) // VBAR_PAGE) if partial and budget < used else 0
+            loaded = _pages(vb.loaded_size()) if partial and budget < used else 0
         except Exception as e:
             return f"cannot read the DynamicVRAM budget ({type(e).__name__})"
         if budget < used and not partial:
@@ -682,8 +682,7 @@ def streamed_weights(m) -> bool:
         return False
     try:
         vb, addr, size = v
-        end = -(-(int(addr) - int(vb.base_addr) + int(size)) // VBAR_PAGE)
-        return end > int(vb.get_watermark())
+        return _pages(int(addr) - int(vb.base_addr) + int(size)) > int(vb.get_watermark())
     except Exception:
         return False
 
