@@ -267,6 +267,13 @@ def _profiled(orig, a, k, suffix=""):
     rec = {"wall_s": wall, "gpu_kernel_s": busy, "gpu_span_s": span, "kernels": len(ev),
            "top_ms": sorted(top.items(), key=lambda kv: -kv[1])[:25]}
     rec.update(_gaps(ev))
+    copies = {}  # weight streaming shows here: "Memcpy HtoD (Pageable -> Device)" vs "(Pinned -> Device)"
+    for e in ev:
+        if e.name.startswith("Memcpy") or e.name.startswith("Memset"):
+            c = copies.setdefault(e.name, [0, 0.0])
+            c[0] += 1
+            c[1] += e.device_time / 1e3
+    rec["copies_n_ms"] = copies
     json.dump(rec, open(os.path.join(CTRL, f"gpu_{tag}.json"), "w"), indent=1)
     return out
 
@@ -867,7 +874,7 @@ def main():
                         if kind == "torch" and os.path.exists(gj):
                             g = json.load(open(gj))
                             rec.setdefault("profile", {})[case] = {k: g.get(k) for k in ("wall_s", "gpu_kernel_s", "gpu_span_s", "kernels",
-                                                                                        "idle_ms", "idle_ms_by_gap", "gaps_by_size")}
+                                                                                        "idle_ms", "idle_ms_by_gap", "gaps_by_size", "copies_n_ms")}
                 with open(os.path.join(prof_dir, "mode"), "w") as f:
                     f.write("")
             for case in cases:
@@ -924,6 +931,8 @@ def main():
             if pr.get("idle_ms") is not None:
                 print(f"   idle {pr['idle_ms']:.1f} ms in gaps: " + ", ".join(
                     f"{k} {v:.1f} ms ({pr['gaps_by_size'][k]})" for k, v in pr["idle_ms_by_gap"].items()))
+            for name, (n, ms) in sorted((pr.get("copies_n_ms") or {}).items(), key=lambda kv: -kv[1][1]):
+                print(f"   {name}: {n} x, {ms:.1f} ms")
     for rec in results:
         for case, dbs in rec.get("psnr_vs_stock_db", {}).items():
             print(f"PSNR vs stock (same seed, 8-bit PNG), {rec['comfyui']} {rec['flags'] or '(default)'} {case}: "
