@@ -10,6 +10,15 @@ from .timing import WRAPPER_KEY, StepTimer, jsonable
 
 NODE_ID = "FluxNumbaStepTimer"
 DISPLAY_NAME = "FluxNumba Step Timer"
+DEFAULT_LABEL = "patched"
+
+
+def default_label(label, unique_id=None):
+    """An empty or whitespace-only label -> the node's id (the widget default where there is none);
+    any other value unchanged."""
+    if isinstance(label, str) and not label.strip():
+        return str(unique_id) if unique_id is not None else DEFAULT_LABEL
+    return label
 
 
 def check_label(label):
@@ -27,9 +36,10 @@ def check_label(label):
     return label
 
 
-def apply(model, label="patched", profile_split=False, unique_id=None):
-    """What the node does: ``(clone with the timer's sampling wrappers,)``."""
-    check_label(label)
+def apply(model, label=DEFAULT_LABEL, profile_split=False, unique_id=None):
+    """What the node does: ``(clone with the timer's sampling wrappers,)``; an empty label is the
+    node's id."""
+    label = check_label(default_label(label, unique_id))
     from .host import install_sampling_wrappers
     m = model.clone()
     patch = m.model_options.get("transformer_options", {}).get("flux_numba")
@@ -54,10 +64,10 @@ def node_class():
                             "patch description left by FluxNumbaPatch. Results: live chart on this node, "
                             "FluxNumbaTimingReport node.",
                 inputs=[io.Model.Input("model", tooltip="Model to time. It is cloned; the input is never modified."),
-                        io.String.Input("label", default="patched", multiline=False,
+                        io.String.Input("label", default=DEFAULT_LABEL, multiline=False,
                                         tooltip="Name of this series, e.g. 'stock' or 'patched'. Runs with different "
                                                 "labels get different colours and the report node selects runs by "
-                                                "label."),
+                                                "label. Empty: this node's id."),
                         io.Boolean.Input("profile_split", default=False, optional=True,
                                          tooltip="Profile ONE step (the 2nd) with torch.profiler and split its time "
                                                  "into attention / GEMM / our fused kernels / other. Costs time: that "
@@ -69,7 +79,7 @@ def node_class():
                 hidden=[io.Hidden.unique_id])
 
         @classmethod
-        def execute(cls, model, label="patched", profile_split=False):
+        def execute(cls, model, label=DEFAULT_LABEL, profile_split=False):
             return io.NodeOutput(*apply(model, label, profile_split, api.unique_id(cls)))
 
     return FluxNumbaStepTimer

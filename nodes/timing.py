@@ -228,9 +228,10 @@ def select_runs(selection: str = "last") -> List[dict]:
     """Runs chosen by a report selection string.
 
     ``last``: the newest run of every label (so a stock-vs-patched workflow shows both);
-    ``all``: every kept run; ``run:<id>``; ``node:<id>``: newest run of that timer node;
-    anything else: the newest run with that label.  Several selections may be comma-separated.
-    Raises SelectionError for a string that cannot be read (``run:`` without a number...)."""
+    ``all``: every kept run; ``run:<id>``; ``node:<id>``: newest run of that timer node (``node:``
+    without an id: ``last``); anything else: the newest run with that label.  Several selections may
+    be comma-separated.  Raises SelectionError for a string that cannot be read (``run:`` without a
+    number...)."""
     if selection is not None and not isinstance(selection, str):
         raise SelectionError(f"must be text ({SELECTION_HELP}), got {type(selection).__name__} {selection!r}")
     sel = (selection or "last").strip()
@@ -244,6 +245,8 @@ def select_runs(selection: str = "last") -> List[dict]:
 
     for part in [p.strip() for p in sel.split(",") if p.strip()] or ["last"]:
         low = part.lower()
+        if low.startswith("node:") and not part[5:].strip():
+            low = "last"  # 'node:' without an id: the default selection
         if low == "last":
             with _lock:
                 newest: "OrderedDict[str, Run]" = OrderedDict()
@@ -263,10 +266,7 @@ def select_runs(selection: str = "last") -> List[dict]:
                                      f"e.g. run:3, got {rid!r}")
             add(get_run(int(rid)))
         elif low.startswith("node:"):
-            nid = part[5:].strip()
-            if not nid:
-                raise SelectionError(f"{part!r}: node:<id> takes a timer node's id, e.g. node:12")
-            add(last_run(node_id=nid))
+            add(last_run(node_id=part[5:].strip()))
         else:
             add(last_run(label=part))
     out.sort(key=lambda d: d["run"])

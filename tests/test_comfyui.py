@@ -547,3 +547,56 @@ def test_bench_runs_the_node_paths_on_comfys_modules(tmp_path):
     assert "linear_gelu" in res["exact"]["backends"], res["exact"]["backends"]
     for v in ("fast", "fast-cached"):
         assert {"ln_modulate_fp8", "gelu_tanh_fp8", "attn_gelu_fp8"} <= set(res[v]["backends"]), res[v]["backends"]
+
+
+# ----------------------------------------------------------------------------- timer / report widgets
+def _run_node(node_id, unique_id, inputs):
+    """One pack node as ComfyUI's executor runs it: ``execution.get_input_data`` (widgets, hidden
+    unique_id) then ``execution.get_output_data`` on an instance of the V3 class."""
+    import asyncio
+    import execution  # ComfyUI's execution.py
+    from flux_numba_pack.nodes import node_classes
+    cls = node_classes()[node_id]
+    data, missing, v3_data = execution.get_input_data(inputs, cls, unique_id)
+    assert not missing, missing
+    with torch.inference_mode():
+        out = asyncio.run(execution.get_output_data("flux-numba-test", unique_id, cls(), data, v3_data=v3_data))
+    return out[0], out[1]
+
+
+def _table_runs(text):
+    """The run ids a report table lists (its 'run N [label] ...' lines)."""
+    import re
+    return sorted({int(m) for m in re.findall(r"^run (\d+) \[", text, re.M)})
+
+
+def test_timer_empty_label_and_report_node_selection_run(comfy):
+    """An emptied label runs as the node's id; a report selection of 'node:' runs as 'last'; a
+    garbage selection still stops the node with its one-line error."""
+    from flux_numba_pack.nodes import timing
+    timing.clear_runs()
+    try:
+        mp = tiny_patcher(comfy)
+        latent = torch.zeros(1, 16, 4, 4)
+        outputs = {}
+        for uid, label in (("12", ""), ("13", "   "), ("14", "stock")):
+            out, _ = _run_node("FluxNumbaStepTimer", uid, {"model": mp, "label": label})
+            _sample(out[0][0], latent, 1)
+            outputs[uid] = timing.last_run(node_id=uid)
+        assert [outputs[u]["label"] for u in ("12", "13", "14")] == ["12", "13", "stock"]
+        last = [r["run"] for r in timing.select_runs("last")]
+        assert len(last) == 3
+        for sel in ("node:", "node:  "):
+            out, ui = _run_node("FluxNumbaTimingReport", "20", {"samples": {"samples": latent}, "selection": sel,
+                                                                "width": 256, "height": 128})
+            assert _table_runs(ui["text"][0]) == last, ui["text"][0]
+            assert tuple(out[0][0].shape) == (1, 128, 256, 3)
+        out, ui = _run_node("FluxNumbaTimingReport", "20", {"samples": {"samples": latent}, "selection": "node:12",
+                                                            "width": 256, "height": 128})
+        assert _table_runs(ui["text"][0]) == [outputs["12"]["run"]], ui["text"][0]
+        with pytest.raises(ValueError) as ei:
+            _run_node("FluxNumbaTimingReport", "20", {"samples": {"samples": latent}, "selection": "run:abc"})
+        msg = str(ei.value)
+        assert msg.startswith("FluxNumbaTimingReport: selection 'run:abc'") and "\n" not in msg, msg
+    finally:
+        timing.clear_runs()

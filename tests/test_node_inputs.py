@@ -15,7 +15,7 @@ from flux_numba_pack.nodes import loader, quality, report, timer, timing, vae_pa
     ("run:abc", "run:<id> takes a run number"),
     ("stock, run:", "run:<id> takes a run number"),
     ("run:-1", "run:<id> takes a run number"),
-    ("node:", "node:<id> takes a timer node"),
+    ("stock, run:x", "run:<id> takes a run number"),
     (12, "must be text"),
 ])
 def test_timing_report_bad_selection(selection, what):
@@ -27,8 +27,15 @@ def test_timing_report_bad_selection(selection, what):
 
 
 def test_timing_report_good_selections_still_parse():
-    for sel in ("last", "all", "", None, "stock,patched", "run:3", "RUN: 7", "node:12", "some label"):
+    for sel in ("last", "all", "", None, "stock,patched", "run:3", "RUN: 7", "node:12", "some label", "node:",
+                "NODE:  ", "stock, node:"):
         assert isinstance(timing.select_runs(sel), list)
+
+
+def test_timing_report_garbage_selection_is_one_line():
+    with pytest.raises(ValueError) as ei:
+        report.report({"samples": torch.zeros(1)}, selection="run:abc")
+    assert "\n" not in str(ei.value)
 
 
 @pytest.mark.parametrize("name,value", [("width", "abc"), ("width", 100), ("height", 5000), ("height", 300.5),
@@ -38,7 +45,7 @@ def test_timing_report_bad_size(name, value):
         report.report({}, **{name: value})
 
 
-@pytest.mark.parametrize("label", ["", "   ", "a,b", "last", "ALL", "run:3", "node:1", None, 3])
+@pytest.mark.parametrize("label", ["a,b", "last", "ALL", "run:3", "node:1", None, 3])
 def test_step_timer_bad_label(label):
     with pytest.raises(ValueError, match=r"^FluxNumbaStepTimer: label "):
         timer.apply(model=None, label=label)
@@ -47,6 +54,13 @@ def test_step_timer_bad_label(label):
 def test_step_timer_good_labels():
     for label in ("stock", "patched", "exact 1024", "fp8-fast"):
         assert timer.check_label(label) == label
+
+
+@pytest.mark.parametrize("label", ["", "   ", "\t"])
+def test_step_timer_empty_label_is_the_node_id(label):
+    assert timer.check_label(timer.default_label(label, "12")) == "12"
+    assert timer.default_label(label, None) == "patched"  # no node id (outside ComfyUI): the widget default
+    assert timer.default_label("stock", "12") == "stock"
 
 
 def test_loader_bad_weight_dtype_and_name(monkeypatch, tmp_path):

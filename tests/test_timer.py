@@ -215,6 +215,31 @@ def test_select_runs(fake_comfy, sent):
     assert timing.select_runs("nope") == []
 
 
+def test_empty_label_is_the_node_id(fake_comfy, sent):
+    for label in ("", "   "):
+        (m,) = timer.apply(FakePatcher(), label=label, unique_id="12")
+        run_sampler(m, 2)
+        r = timing.last_run(node_id="12")
+        assert r["label"] == "12" and [d["label"] for d in timing.select_runs("12")] == ["12"]
+    (m,) = timer.apply(FakePatcher(), label="", unique_id=None)  # no node id: the widget default
+    run_sampler(m, 1)
+    assert timing.last_run()["label"] == "patched"
+
+
+def test_node_selection_without_id_is_last(fake_comfy, sent):
+    (a,) = timer.apply(FakePatcher(), label="stock", unique_id="1")
+    (b,) = timer.apply(FakePatcher(), label="patched", unique_id="2")
+    run_sampler(a, 2)
+    run_sampler(b, 3)
+    last = [r["run"] for r in timing.select_runs("last")]
+    assert len(last) == 2
+    for sel in ("node:", "NODE:  ", " node: ", "node:,node:"):
+        assert [r["run"] for r in timing.select_runs(sel)] == last, sel
+    assert [r["label"] for r in timing.select_runs("stock, node:")] == ["stock", "patched"]
+    with pytest.raises(timing.SelectionError, match="run:<id> takes a run number"):
+        timing.select_runs("node:, run:x")
+
+
 # ------------------------------------------------------------------------------------------ report
 def _patched_model(active=True, reason=None, patch_id=None):
     return FakePatcher({"transformer_options": {"flux_numba": {"profile": "exact", "active": active, "reason": reason,
