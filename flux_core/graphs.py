@@ -81,7 +81,10 @@ class GraphedForward:
     """``gf(*tensors)`` runs ``fn(*tensors)`` through a CUDA graph captured for that signature.
 
     The first ``warmup`` calls of a signature run ``fn`` eagerly (their results are returned: in a
-    sampler they are ordinary steps, no forward is wasted); the next one captures and replays.
+    sampler they are ordinary steps, no forward is wasted); the next one captures and replays.  The
+    warm-ups count only while the weights stay where they are: where every call finds them elsewhere
+    (a decoder re-staged by DynamicVRAM on each decode under memory pressure) nothing is captured,
+    rather than paying a capture per call for a graph that is never replayed.
     ``fn`` must take only tensors (positional) and return one tensor.  The returned tensor is a
     fresh copy (the static output buffer is reused by the next replay).
     """
@@ -89,7 +92,7 @@ class GraphedForward:
     def __init__(self, fn: Callable, module: Optional[torch.nn.Module] = None, warmup: int = 2, max_graphs: int = 4):
         self.fn, self.module, self.warmup, self.max_graphs = fn, module, max(1, warmup), max_graphs
         self.graphs: Dict[tuple, _Entry] = {}
-        self._seen: Dict[tuple, int] = {}  # eager warm-up calls made per signature
+        self._seen: Dict[tuple, tuple] = {}  # signature -> (eager warm-up calls in a row, their weights key)
         self.pool = GraphPool()  # every graph of this wrapper is dropped through it (capture.py)
         self._streams = {}
         self.captures = 0
@@ -119,9 +122,14 @@ class GraphedForward:
             if not registry.settled():  # kernels still building: eager, and warm up again afterwards
                 self._seen.pop(key, None)
                 return self.fn(*xs)
-            n = self._seen.get(key, 0)
+            n, seen_wk = self._seen.get(key, (0, wk))
+            if seen_wk != wk:
+                # the weights moved between warm-ups (a memory manager re-placing them on every call
+                # under memory pressure): a graph would be re-captured before it paid off -- the
+                # warm-ups start again, so a capture needs ``warmup`` calls in a row on one placement
+                n = 0
             if n < self.warmup:  # warm-up calls are ordinary eager steps: their results are used
-                self._seen[key] = n + 1
+                self._seen[key] = (n + 1, wk)
                 # (JIT, autotune and allocator warm-up happen here; the last one proves the forward
                 # never syncs the host, or raises before any capture is attempted)
                 with no_host_syncs() if n + 1 == self.warmup else contextlib.nullcontext():

@@ -54,7 +54,7 @@ from typing import Optional
 import torch
 
 from .host import (ComfyWeights, attention_override, block_attention, block_problem, block_residency, call_problem,
-                   capture_headroom, compiler_recording, default_sdpa_attention, flux_types,
+                   capture_headroom, compiler_recording, default_sdpa_attention, device_room, flux_types,
                    dynamic_block, fp8_stored_block, flux_attention, release_pins, resolve_block, staged_block,
                    streamed_weights,
                    weight_epoch)
@@ -254,8 +254,9 @@ class _Runner:
         self.drop_fp8_copies()
 
     def fp8_room(self) -> bool:
-        """Every GPU this runner keeps fp8 copies on has ``FP8_KEEP_FREE_SHARE`` of its memory free
-        (False off a CUDA device or when the driver cannot say: the copies are then freed)."""
+        """Every GPU this runner keeps fp8 copies on has ``FP8_KEEP_FREE_SHARE`` of its memory free as
+        ComfyUI budgets it (``host.device_room``: the memory ``--reserve-vram`` keeps for other programs
+        is not room) -- False off a CUDA device or when the driver cannot say: the copies are then freed."""
         for dev, c in self._fp8.items():
             if c is None or not c.nbytes():
                 continue
@@ -263,7 +264,7 @@ class _Runner:
                 d = torch.device(dev)
                 if d.type != "cuda":
                     return False
-                free, total = torch.cuda.mem_get_info(d)
+                free, total = device_room(d)  # (ComfyUI's view: less what --reserve-vram keeps free)
             except Exception:
                 return False
             if free < FP8_KEEP_FREE_SHARE * total:

@@ -180,6 +180,8 @@ def test_fp8_copies_stay_while_their_gpu_has_room(monkeypatch):
             raise RuntimeError("no driver")
         return mem["free"], mem["total"]
     monkeypatch.setattr(torch.cuda, "mem_get_info", info)
+    from flux_numba_pack.nodes.host import memory
+    monkeypatch.setattr(memory, "reserved_memory", lambda: 0)  # (a ComfyUI loaded by other tests reserves some)
     with _kept_copy("cuda:0", (903, 904)) as (model, cached, exact, f8):
         assert f8.nbytes() == 8 * 16 * 4 + 8 * 4
         P._release_fp8_copies(model, exact)
@@ -190,6 +192,30 @@ def test_fp8_copies_stay_while_their_gpu_has_room(monkeypatch):
         mem["free"] = 20
         P._release_fp8_copies(model, exact)
         assert not f8._cache, "20% free: freed"
+
+
+def test_fp8_copies_weigh_the_memory_comfyui_reserves(monkeypatch):
+    """``--reserve-vram`` (ComfyUI's ``extra_reserved_memory``) is not room: 60 of 100 free with 50
+    reserved is 10 of 50 in ComfyUI's budget (20%), so another patch of the model frees the copies
+    (an H200 started with ``--reserve-vram 118`` stands for a 24 GB card: there the physical free
+    memory is large, the budget is not)."""
+    import sys
+    import types
+    from flux_numba_pack.nodes import runner as P
+    from flux_numba_pack.nodes.host import memory
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (60, 100))
+    mm = types.ModuleType("comfy.model_management")
+    mm.extra_reserved_memory = lambda: 50
+    comfy = sys.modules.get("comfy") or types.ModuleType("comfy")
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setattr(comfy, "model_management", mm, raising=False)
+    assert memory.device_room("cuda:0") == (10, 50)
+    with _kept_copy("cuda:0", (905, 906)) as (model, cached, exact, f8):
+        P._release_fp8_copies(model, exact)
+        assert not f8._cache, "20% of ComfyUI's budget free: freed"
+    mm.extra_reserved_memory = lambda: 0
+    assert memory.device_room("cuda:0") == (60, 100)
 
 
 class _CountingHost:

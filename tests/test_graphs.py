@@ -149,7 +149,7 @@ def test_graphed_forward_stays_eager_while_kernels_are_built(monkeypatch):
     assert len(calls) == 5 and not gf.graphs and not gf._seen and gf.captures == 0
     monkeypatch.setattr(registry, "pending", None)
     gf(torch.ones(3))
-    assert sum(gf._seen.values()) == 1  # the first warm-up with the kernels in place
+    assert sum(n for n, _ in gf._seen.values()) == 1  # the first warm-up with the kernels in place
 
 
 def test_graphed_forward_puts_a_capture_off_while_there_is_no_room(monkeypatch):
@@ -171,3 +171,24 @@ def test_graphed_forward_puts_a_capture_off_while_there_is_no_room(monkeypatch):
     with pytest.raises(RuntimeError):
         gf(torch.ones(3), weights_key=("w",), can_capture=lambda: room[0])
     assert captured == [("w",)]
+
+
+def test_graphed_forward_captures_only_on_weights_that_stay_put(monkeypatch):
+    """Weights found somewhere else on every call (DynamicVRAM re-staging a decoder per decode under
+    memory pressure): the warm-ups start again at each move, so no capture is paid for a graph that
+    would never be replayed; once the weights stay put for ``warmup`` calls the next one captures."""
+    import contextlib
+    import flux_numba_pack.flux_core.graphs as FG
+    from flux_numba_pack.flux_core.graphs import GraphedForward
+    monkeypatch.setattr(FG, "no_host_syncs", contextlib.nullcontext)   # (sync debug mode needs CUDA)
+    gf = GraphedForward(lambda x: x * 2, warmup=2)
+    captured = []
+    monkeypatch.setattr(gf, "_capture", lambda xs, wk: captured.append(wk) or (_ for _ in ()).throw(RuntimeError("x")))
+    for i in range(6):  # a new placement every call
+        assert torch.equal(gf(torch.ones(3), weights_key=(i,)), torch.full((3,), 2.0))
+    assert captured == [] and gf.captures == 0
+    gf(torch.ones(3), weights_key=(5,))  # the 2nd call on one placement: its last warm-up
+    assert captured == []
+    with pytest.raises(RuntimeError):
+        gf(torch.ones(3), weights_key=(5,))
+    assert captured == [(5,)]

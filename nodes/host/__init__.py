@@ -20,4 +20,5 @@ from .versions import TESTED, comfy_version, features, log_once  # noqa: F401
 from .wrappers import (conds_to_device, drop_on_unload, guider_device, guider_transformer_options,  # noqa: F401
                        inner_wrappers, install_conds_on_device, install_diffusion_wrapper, install_sampling_wrappers,
                        run_innermost, sampler_sigmas, wrapped_object)
+from .memory import device_room, reserved_memory  # noqa: F401
 from . import ui, vae  # noqa: F401
