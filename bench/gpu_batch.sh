@@ -14,6 +14,7 @@
 #   vae                     bench/gpu_vae.py --decoder-only (v0.8.0 and v0.33.0)
 #   servers                 one server per SERVERS entry (TAG|TREE|FLAGS|CASES|REPEAT|EXTRA ARGS;...; @R@ in
 #                           EXTRA ARGS is this call's result folder, e.g. --profile @R@/prof_x)
+#   h2d                     bench/gpu_h2d.py (host-to-device copy bandwidth: pinned, pageable, registered)
 #   launch                  bench/gpu_launch_cost.py (host us per kernel launch by route)
 #   attn                    bench/gpu_attn_kernels.py (attention kernels at [1,24,4608,128])
 #   pytest                  tests on the GPU (PYTEST_ARGS files / options, PYTEST_K a -k expression)
@@ -54,6 +55,8 @@ for part in ${PARTS:-server033 bench vae}; do
         echo "  server $tag rc=$? $(( $(date +%s) - t1 )) s" >> "$R/parts.txt"
         tar -czf "$OUT/results.tgz" -C "$OUT" r setup.txt
       done;;
+    h2d)
+      timeout ${H2D_T:-60} python3 bench/gpu_h2d.py > "$R/h2d.txt" 2>&1;;
     launch)
       timeout ${LAUNCH_T:-60} python3 bench/gpu_launch_cost.py --n ${LAUNCH_N:-20000} > "$R/launch.txt" 2>&1;;
     bench)
