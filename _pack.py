@@ -45,9 +45,25 @@ def nearest_existing(path):
     return path
 
 
+def create_problem(folder):
+    """Why no file can be created in the existing ``folder`` (one phrase), or None.  Tried, not only
+    asked: os.access says yes to root on read-only and virtual file systems (/proc), so a temporary
+    file is made there and removed at once."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not writable"
+    import tempfile
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".flux_numba_write_check_", dir=folder)
+    except OSError as e:
+        return f"no file can be created in {folder}: {e.strerror or e}"
+    os.close(fd)
+    os.unlink(tmp)
+    return None
+
+
 def file_out_problem(path, example="out.json"):
-    """Why ``path`` (a file a command writes later) cannot be written, or None; creates nothing
-    (run.py and bench.py check their output paths before any work)."""
+    """Why ``path`` (a file a command writes later) cannot be written, or None; leaves nothing
+    behind (run.py and bench.py check their output paths before any work)."""
     if not path:
         return "empty path"
     if os.path.isdir(path):
@@ -55,6 +71,9 @@ def file_out_problem(path, example="out.json"):
     base = nearest_existing(os.path.dirname(os.path.abspath(path)))
     if not os.path.isdir(base):
         return f"cannot write {path} ({base} is not a folder)"
-    if not os.access(base, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    why = create_problem(base)
+    if why:
+        return f"cannot write {path} ({why})"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
         return f"cannot write {path} (permission denied)"
     return None

@@ -479,6 +479,8 @@ def main():
         del fn
         gc.collect()
 
+    json_failed = []
+
     def write_json():
         """The results as they stand (after the timing, again at the end): nothing is lost to a
         later failure.  False (and one line on stderr) when the file cannot be written."""
@@ -489,12 +491,11 @@ def main():
             with open(a.json + ".tmp", "w") as f:
                 json.dump(doc, f, indent=1, allow_nan=False)
             os.replace(a.json + ".tmp", a.json)
-            if os.environ.get("OUT") and os.path.isdir(os.environ["OUT"]):
-                with open(os.path.join(os.environ["OUT"], os.path.basename(a.json)), "w") as f:
-                    json.dump(doc, f, indent=1, allow_nan=False)
         except OSError as e:
-            print(f"bench.py: error: cannot write {a.json} ({e.strerror or e}); the results are only in this output",
-                  file=sys.stderr)
+            if not json_failed:  # said once, not again at the second write
+                print(f"bench.py: error: cannot write {a.json} ({e.strerror or e}); the results are only in this "
+                      "output", file=sys.stderr)
+            json_failed.append(e)
             return False
         return True
 
@@ -572,8 +573,7 @@ def main():
         else:
             print(f"VAE decode: {vd}")
     if written:
-        print(f"results: {a.json}" + (f" (and {os.path.join(os.environ['OUT'], os.path.basename(a.json))})"
-                                      if os.environ.get("OUT") and os.path.isdir(os.environ["OUT"]) else ""))
+        print(f"results: {a.json}")
     else:
         sys.exit(1)
 

@@ -487,7 +487,9 @@ def main(argv=None):
     p.add_argument("--tests", action="store_true", help="with --standalone: also pytest")
     p.add_argument("--dry-run", action="store_true", help="print what would be installed; install nothing")
     p.error = lambda msg: p.exit(2, f"install.py: error: {msg} (--help lists the options)\n")
-    a = p.parse_args(argv)
+    a, extra = p.parse_known_args(argv)
+    if extra:  # quoted: an empty or blank argument is visible
+        p.error(f"unrecognized arguments: {' '.join(map(repr, extra))}")
     standalone = a.standalone or a.tests
     try:
         if standalone:

@@ -119,17 +119,20 @@ def parser():
 
 def check_out(p, out):
     """Fail at once (before any work) when the output folder cannot be made or written; nothing
-    is created here: the folder is made when the results are written, so a failed run leaves none."""
+    is left here (a probe file is made and removed at once): the folder is made when the results
+    are written, so a failed run leaves none."""
     if not out:
         p.fail("argument --out: empty path")
     if os.path.exists(out) and not os.path.isdir(out):
         p.fail(f"argument --out: {out} exists and is not a folder")
-    from _pack import nearest_existing
+    from _pack import create_problem, nearest_existing
     base = nearest_existing(out)
     if not os.path.isdir(base):
         p.fail(f"argument --out: cannot create folder {out} ({base} is not a folder)")
-    if not os.access(base, os.W_OK | os.X_OK):
-        p.fail(f"argument --out: {'folder ' + out + ' is not writable' if base == os.path.abspath(out) else f'cannot create folder {out} ({base} is not writable)'}")
+    why = create_problem(base)
+    if why:
+        p.fail(f"argument --out: {'cannot write into folder' if base == os.path.abspath(out) else 'cannot create folder'} "
+               f"{out} ({why})")
 
 
 def check_write_model(p, path):
@@ -304,11 +307,11 @@ def main():
                                                       "0..255), nearest x8: a picture of the latent, not a "
                                                       "decoded image"}}
     # the results go to disk before anything else can fail (the table, the preview)
-    from safetensors.torch import save_file
+    from flux_numba_pack.flux_core.checkpoint import save_safetensors
     try:
         os.makedirs(a.out, exist_ok=True)
-        save_file({"stock": s32.cpu().contiguous(), "patched": p32.cpu().contiguous()},
-                  os.path.join(a.out, "latents.safetensors"))
+        save_safetensors({"stock": s32.cpu().contiguous(), "patched": p32.cpu().contiguous()},
+                         os.path.join(a.out, "latents.safetensors"))
         with open(os.path.join(a.out, "run.json"), "w") as f:
             json.dump(strict_json(rec), f, indent=1, allow_nan=False)
     except Exception as e:  # the folder went away or the disk is full: say so in one line

@@ -13,6 +13,7 @@ norm vs fp32 attention (bars: bf16 <= 1.1 x SDPA's, 8-bit <= 2%).  Reference num
 BENCHMARKS.md): bf16 wgmma op 0.61-0.62 ms, 8-bit wgmma op 0.65 (pack-fed 0.61), errors 0.228% /
 1.26%.  Prints a table last; JSON to $OUT/gpu_attn_kernels.json if $OUT is set.
 """
+import sys
 import traceback
 
 import _attn_common as AC  # bench/: this script's folder
@@ -20,6 +21,11 @@ import _attn_common as AC  # bench/: this script's folder
 DRY = AC.script_env()
 
 import torch  # noqa: E402
+
+if not DRY and not torch.cuda.is_available():  # before any kernel is built or tensor made
+    print("gpu_attn_kernels.py: error: no CUDA GPU (torch sees none); FLUX_ATTN_DRYRUN=1 runs the CPU "
+          "simulator smoke test", file=sys.stderr)
+    sys.exit(2)
 
 import _pack  # noqa: E402
 

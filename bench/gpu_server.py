@@ -747,6 +747,34 @@ def comfy_version(comfy):
     return ns.get("__version__", "?")
 
 
+def check_args(p, a, flag_sets, cases):
+    """One line and exit 2, before anything is written or started: a --comfy that is not a ComfyUI
+    tree, or no CUDA GPU where one is needed (the random weights are generated on the GPU; a server
+    runs on it unless its flag set has --cpu, as in a CPU smoke test with --weights of an existing file)."""
+    def fail(msg):
+        p.exit(2, f"gpu_server.py: error: {msg}\n")
+    for comfy in a.comfy:
+        if not os.path.isfile(os.path.join(comfy, "main.py")):
+            fail(f"argument --comfy: no ComfyUI tree at {comfy!r}: no main.py there")
+    need = []
+    if not all(c in VAE_CASES for c in cases) and not os.path.exists(a.weights):
+        need.append(f"the random FLUX.1-dev weights ({a.weights}) are generated on it")
+    for flags in flag_sets:
+        try:
+            argv = split_flags(flags, {})[0]
+        except ValueError as e:
+            fail(f"argument --flags: {flags!r}: {e}")
+        if "--cpu" not in argv:
+            need.append(f"the servers run on it (--flags={flags!r} has no --cpu)")
+    if need:
+        try:
+            import torch
+        except ImportError as e:
+            fail(f"torch does not import here ({e}): {need[0]}")
+        if not torch.cuda.is_available():
+            fail(f"no CUDA GPU (torch sees none): {need[0]}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--comfy", action="append", required=True, help="ComfyUI tree (repeatable)")
@@ -778,6 +806,7 @@ def main():
     a = p.parse_args()
     flag_sets = a.flags if a.flags else [""]
     cases = [c for c in a.cases.split(",") if c]
+    check_args(p, a, flag_sets, cases)
 
     stub = tempfile.mkdtemp(prefix="flux_stub_")
     os.makedirs(os.path.join(stub, "av"))

@@ -7,6 +7,9 @@
 set -u
 SAN=${SAN:-compute-sanitizer}
 OUTDIR=${1:-out/sanitize}
+# checked before anything is written: without it every run below would end in "rc=127"
+command -v "$SAN" > /dev/null 2>&1 || {
+    echo "sanitize.sh: error: $SAN not found (set SAN=/path/to/compute-sanitizer)" >&2; exit 2; }
 mkdir -p "$OUTDIR"
 export FLUX_NUMBA_REAL_GPU=1
 run() {

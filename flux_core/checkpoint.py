@@ -12,7 +12,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass, asdict, field
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -256,7 +256,29 @@ def load_state_dict(path: str, device="cpu") -> Dict[str, torch.Tensor]:
     return out
 
 
-def save_state_dict(sd: Dict[str, torch.Tensor], path: str, prefix: str = ""):
+def save_safetensors(tensors: Dict[str, torch.Tensor], path: str):
+    """safetensors' save_file, the file then given the mode any new file gets under the umask
+    (0644 with the usual 022): save_file writes it 0600, unreadable to other users."""
     from safetensors.torch import save_file
+    save_file(tensors, path)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask: read from /proc on Linux (setting it to read it back would change it
+    for every thread for a moment), else set and restored."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_state_dict(sd: Dict[str, torch.Tensor], path: str, prefix: str = ""):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file({prefix + k: v.contiguous() for k, v in sd.items()}, path)
+    save_safetensors({prefix + k: v.contiguous() for k, v in sd.items()}, path)

@@ -13,8 +13,8 @@ In the outer process the comfyui-marked tests run only when FLUX_NUMBA_IN_TREE_R
 run) or when COMFYUI_PATH is set (direct use: ``COMFYUI_PATH=... pytest tests/test_comfyui.py``);
 then the matrix does not run that tree a second time.  Otherwise they skip with "runs per tree in
 test_comfyui_matrix".  A path given explicitly (COMFYUI_PATHS / COMFYUI_PATH) that is not a ComfyUI
-tree is an error, not a skip: test_comfyui_matrix::test_explicit_comfyui_paths fails with the reason,
-and tests/conftest.py turns the skips of the comfyui-marked tests it caused into failures.
+tree is an error, not a skip: tests/conftest.py stops the session before any test runs (one line,
+exit 2), and test_comfyui_matrix::test_explicit_comfyui_paths states the same check.
 """
 import glob
 import os
@@ -65,15 +65,21 @@ def tree_problem(path):
 
 
 def explicit_path_errors():
-    """['COMFYUI_PATHS entry X: why' ...] for every path given explicitly (COMFYUI_PATHS, else
-    COMFYUI_PATH) that is not a ComfyUI tree: a test command given a wrong path fails, it does not
-    skip.  .carry/ComfyUI-* (found, not given) never counts."""
-    source, paths = candidate_paths()
-    if source == ".carry":
-        return []
-    if source == "COMFYUI_PATHS" and not paths:
-        return ["COMFYUI_PATHS is set but names no path"]
-    return [f"{source}: {why}" for why in map(tree_problem, paths) if why]
+    """['COMFYUI_PATHS: why' ...] for every path given explicitly that is not a ComfyUI tree: each
+    entry of COMFYUI_PATHS (the per-tree runs) and COMFYUI_PATH (the in-process comfyui tests use it,
+    COMFYUI_PATHS set or not).  A test command given a wrong path stops at once (tests/conftest.py,
+    at session start), it does not skip.  .carry/ComfyUI-* (found, not given) never counts."""
+    errors = []
+    many = os.environ.get("COMFYUI_PATHS")
+    if many:
+        paths = [p for p in many.split(os.pathsep) if p]
+        if not paths:
+            errors.append("COMFYUI_PATHS is set but names no path")
+        errors += [f"COMFYUI_PATHS: {why}" for why in map(tree_problem, paths) if why]
+    one = os.environ.get("COMFYUI_PATH")
+    if one and tree_problem(one):
+        errors.append(f"COMFYUI_PATH: {tree_problem(one)}")
+    return errors
 
 
 def find_trees():

@@ -36,27 +36,14 @@ _pack.load()
 import pytest  # noqa: E402
 
 
-def _bad_comfyui_path():
-    """The reason when COMFYUI_PATH is given but is not a ComfyUI tree, else None."""
-    p = os.environ.get("COMFYUI_PATH")
-    if not p:
-        return None
+def pytest_sessionstart(session):
+    """A COMFYUI_PATH / COMFYUI_PATHS that names something other than a ComfyUI tree stops the run
+    here, with one line, before any test (a wrong explicit path is an error, not a reason to skip
+    the ComfyUI tests -- or to spend minutes on the others first)."""
     import _comfy_trees
-    why = _comfy_trees.tree_problem(p)
-    return f"COMFYUI_PATH: {why}" if why else None
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """A comfyui-marked test skipped because the COMFYUI_PATH given is not a ComfyUI tree fails
-    instead, with the reason (a wrong explicit path is an error, not something to skip)."""
-    outcome = yield
-    rep = outcome.get_result()
-    if rep.skipped and not hasattr(rep, "wasxfail") and item.get_closest_marker("comfyui") is not None:
-        why = _bad_comfyui_path()
-        if why:
-            rep.outcome = "failed"
-            rep.longrepr = f"{why}: the ComfyUI tests cannot run against it (skipped otherwise, now an error)"
+    errors = _comfy_trees.explicit_path_errors()
+    if errors:
+        pytest.exit("; ".join(errors) + " (unset it or give a ComfyUI source tree)", returncode=2)
 
 
 # what a skip reason is about, for the summary (first match wins)

@@ -365,3 +365,146 @@ def test_run_sh_without_python():
                        env=dict(os.environ, PYTHON="no-such-python-for-test"))
     assert p.returncode == 2 and p.stderr.strip() == ("tests/run.sh: error: no-such-python-for-test not found "
                                                       "(set PYTHON=/path/to/python)")
+
+
+# ---------------------------------------------------------------- first-hour wrong uses (issue #39)
+def _one_line_exit_2(p, prog):
+    """Exit 2 and ONE line on stderr, starting with '<prog>: error: ', no traceback."""
+    err = p.stderr.strip()
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "Traceback" not in p.stdout + p.stderr and len(err.splitlines()) == 1, p.stdout + p.stderr
+    assert err.startswith(f"{prog}: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("san", ["no-such-compute-sanitizer-for-test", None])
+def test_sanitize_without_compute_sanitizer(tmp_path, san):
+    """No compute-sanitizer: one line naming it, exit 2, before any log is written (not three
+    "rc=127" lines and exit 0)."""
+    import shutil
+    env = dict(os.environ)
+    if san is None:
+        if shutil.which("compute-sanitizer"):
+            pytest.skip("compute-sanitizer is on PATH here")
+        env.pop("SAN", None)
+    else:
+        env["SAN"] = san
+    logs = tmp_path / "san"
+    p = subprocess.run(["bash", "bench/sanitize.sh", str(logs)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    err = _one_line_exit_2(p, "sanitize.sh")
+    assert (san or "compute-sanitizer") in err and "not found" in err and "SAN=" in err
+    assert p.stdout == "" and not logs.exists()
+
+
+def test_gpu_attn_kernels_without_a_gpu():
+    """No CUDA GPU (hidden here): one line, exit 2, instead of torch's traceback."""
+    p = run("bench/gpu_attn_kernels.py", env_extra={"CUDA_VISIBLE_DEVICES": "", "FLUX_ATTN_DRYRUN": "0"}, check=False)
+    err = _one_line_exit_2(p, "gpu_attn_kernels.py")
+    assert "no CUDA GPU" in err and "FLUX_ATTN_DRYRUN=1" in err and p.stdout == ""
+
+
+def test_gpu_server_bad_comfy_tree_or_no_gpu(tmp_path):
+    """--comfy is checked (a folder with main.py), then the GPU it needs: one line, exit 2, nothing
+    written (no random weights, no server started)."""
+    weights = tmp_path / "w.safetensors"
+    hide = {"CUDA_VISIBLE_DEVICES": ""}
+    p = run("bench/gpu_server.py", "--comfy", "/nonexistent", "--weights", str(weights), env_extra=hide, check=False)
+    err = _one_line_exit_2(p, "gpu_server.py")
+    assert "--comfy" in err and "no ComfyUI tree at '/nonexistent'" in err and "no main.py" in err
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "main.py").write_text("")
+    p = run("bench/gpu_server.py", "--comfy", str(tree), "--weights", str(weights), env_extra=hide, check=False)
+    err = _one_line_exit_2(p, "gpu_server.py")
+    assert "no CUDA GPU" in err and str(weights) in err
+    assert not weights.exists() and p.stdout == ""
+
+
+def test_output_paths_that_cannot_be_written_are_refused_first(tmp_path):
+    """/proc takes no new files, though os.access says yes to root: run.py --out, --write-model and
+    bench.py --json are refused before any work, with one line, exit 2 (not after the whole job, not twice)."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    for args, want in ((["--out", "/proc/x", "--steps", "1", "--width", "16", "--height", "16", "--txt-len", "3"],
+                        ["--out", "/proc/x"]),
+                       (["--write-model", "/proc/x.safetensors"], ["--write-model", "/proc/x.safetensors"])):
+        p = run("run.py", *args, check=False)
+        err = _one_line_exit_2(p, "run.py")
+        assert p.stdout == "" and all(w in err for w in want), err
+    p = run("bench.py", "--config", "tiny", "--device", "cpu", "--res", "32", "--txt", "8", "--no-comfy", "--no-ref",
+            "--variants", "exact", "--reps", "1", "--warmup", "0", "--json", "/proc/x", check=False)
+    err = _one_line_exit_2(p, "bench.py")
+    assert "--json" in err and "/proc/x" in err and p.stdout == ""
+
+
+def _fake_tree(path):
+    (path / "comfy").mkdir(parents=True)
+    (path / "main.py").write_text("")
+    (path / "comfyui_version.py").write_text('__version__ = "0.8.0"\n')
+    return path
+
+
+@pytest.mark.parametrize("var,bad", [("COMFYUI_PATH", "{missing}"), ("COMFYUI_PATH", "{empty}"),
+                                     ("COMFYUI_PATHS", "{tree}" + os.pathsep + "{empty}")])
+def test_wrong_comfyui_path_stops_the_tests_at_once(tmp_path, var, bad):
+    """A COMFYUI_PATH / COMFYUI_PATHS entry that is not a ComfyUI tree: pytest stops at session start,
+    exit 2, one line naming it -- not a run of every other test first."""
+    import time
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    value = bad.format(missing=tmp_path / "missing", empty=empty, tree=_fake_tree(tmp_path / "tree"))
+    env = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_PATH", "COMFYUI_PATHS")}
+    env[var] = value
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/test_cli.py::test_strict_load_refuses_nan"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert time.monotonic() - t0 < 60 and "passed" not in p.stdout, p.stdout
+    err = p.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, p.stderr
+    assert var in err and str(tmp_path / ("missing" if "missing" in bad else "empty")) in err, err
+
+
+def test_venv_in_the_clone_is_ignored():
+    """The README's `python3 -m venv .venv` in the clone: git does not list it as untracked."""
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        lines = {ln.strip() for ln in f}
+    assert lines & {".venv", ".venv/", "/.venv", "/.venv/"}, lines
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o002, 0o664)])
+def test_written_safetensors_follow_the_umask(tmp_path, umask, mode):
+    """run.py's --write-model model and latents.safetensors get a new file's usual mode (safetensors'
+    save_file alone makes them 0600)."""
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+
+    def go(*args):
+        p = subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600, preexec_fn=lambda: os.umask(umask))
+        assert p.returncode == 0, p.stdout + p.stderr
+    go("--write-model", str(tmp_path / "m.safetensors"))
+    go("--steps", "1", "--width", "16", "--height", "16", "--txt-len", "3", "--out", str(tmp_path / "o"))
+    for f in (tmp_path / "m.safetensors", tmp_path / "o" / "latents.safetensors"):
+        assert oct(os.stat(f).st_mode & 0o777) == oct(mode), f
+
+
+@pytest.mark.parametrize("arg", ["", " ", "a b"])
+def test_install_unknown_argument_is_shown_quoted(arg):
+    """An empty or blank argument is visible in the one error line (quoted)."""
+    p = run("install.py", arg, check=False)
+    err = _one_line_exit_2(p, "install.py")
+    assert f"unrecognized arguments: {arg!r}" in err and p.stdout == ""
+
+
+def test_benchmark_json_goes_only_where_asked(tmp_path):
+    """$OUT set: bench.py writes its JSON to --json only (no silent copy into $OUT)."""
+    outdir = tmp_path / "OUT"
+    outdir.mkdir()
+    out = tmp_path / "b.json"
+    p = run("bench.py", "--config", "tiny", "--device", "cpu", "--res", "32", "--txt", "8", "--no-comfy", "--no-ref",
+            "--variants", "exact", "--reps", "1", "--warmup", "0", "--json", str(out), env_extra={"OUT": str(outdir)})
+    assert out.exists() and os.listdir(outdir) == []
+    assert p.stdout.rstrip().splitlines()[-1] == f"results: {out}"

@@ -6,7 +6,6 @@ Everything but the last test runs offline; that one asks pip (``--dry-run``) aga
 index in real venvs and skips, saying why, when the index cannot be reached.
 """
 import importlib.util
-import json
 import os
 import re
 import shlex
@@ -309,9 +308,9 @@ def test_plan_line_end_to_end_and_no_pip(tmp_path):
     p = _run(py, "--dry-run")
     assert p.returncode == 2, p.stdout + p.stderr
     out = p.stdout.strip().splitlines()
-    assert out == [f"[flux-numba] torch 2.8.0 is CUDA 12.8: adding NVVM / CCCL at its CUDA version "
-                   f"(cuda-toolkit[cccl,nvcc]==12.8.*); torch's NVRTC 12.8.93 / nvJitLink 12.8.93 / cudart 12.8.90 "
-                   f"are used as they are",
+    assert out == ["[flux-numba] torch 2.8.0 is CUDA 12.8: adding NVVM / CCCL at its CUDA version "
+                   "(cuda-toolkit[cccl,nvcc]==12.8.*); torch's NVRTC 12.8.93 / nvJitLink 12.8.93 / cudart 12.8.90 "
+                   "are used as they are",
                    "[flux-numba] note: cuda-bindings 13.5.0 is for CUDA 13, torch is CUDA 12.8; left as it is "
                    "(install.py changes nothing installed). If numba-cuda cannot initialise CUDA, run: "
                    f"{py} -m pip install 'cuda-bindings>=12.9.1,<13'"], out
@@ -322,7 +321,7 @@ def test_plan_line_end_to_end_and_no_pip(tmp_path):
 def test_bad_option_is_one_line():
     p = _run(sys.executable, "--no-such-option")
     assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.strip().splitlines() == ["install.py: error: unrecognized arguments: --no-such-option "
+    assert p.stderr.strip().splitlines() == ["install.py: error: unrecognized arguments: '--no-such-option' "
                                              "(--help lists the options)"]
 
 
