@@ -659,7 +659,7 @@ def test_fast_profile_uses_fp8_model_dtype_of_dynamic_weights(comfy, monkeypatch
 def test_graph_blockers_allow_resident_casts_only(comfy):
     """fp8-stored weights (manual_cast ops, cast per call from resident weights) do not block a CUDA
     graph; a weight function (on-the-fly LoRA / low-VRAM patch) does."""
-    from flux_numba_pack.nodes.host import flux as host
+    from flux_numba_pack.nodes.host import residency as host
     mp = _fp8_stored_patcher(comfy)
     dm = mp.model.diffusion_model
     lins = [m for m in dm.modules() if isinstance(m, torch.nn.Linear)]
@@ -898,7 +898,7 @@ def test_block_residency_faults_each_dynamic_module_and_compares_signatures(monk
     one), every fault is unpinned by ``release_pins``; the key changes when a page is re-faulted
     (eviction), is None when a fault finds no room, and weight functions / offloaded parameters
     make the block ungraphable."""
-    from flux_numba_pack.nodes.host import flux as host
+    from flux_numba_pack.nodes.host import residency as host
     fake = _FakeModelVbar()
     monkeypatch.setattr(host, "_model_vbar", lambda: fake)
     vb = _FakeVbar()
@@ -949,7 +949,7 @@ def test_vae_graph_state_under_dynamic_vram(monkeypatch):
     ``_v`` faulted, the faults unpinned at once: the decode's staging holds its own pins), a capture
     put off while the budget cannot hold the model; streamed weights -> eager with the reason; a
     decoder without vbar weights keeps the address check."""
-    from flux_numba_pack.nodes.host import flux as host
+    from flux_numba_pack.nodes.host import residency as host
     from flux_numba_pack.nodes.host import vae as hvae
     fake = _FakeModelVbar()
     monkeypatch.setattr(host, "_model_vbar", lambda: fake)
@@ -980,7 +980,7 @@ def test_capture_headroom_refuses_streamed_weights_and_low_memory(monkeypatch):
     capture's allocation could make comfy-aimdo evict pages inside it) or memory is short; a call
     that reads only part of the model (the fast profile's kept copies serve its GEMMs) needs room
     below the budget for the pages resident now."""
-    from flux_numba_pack.nodes.host import flux as host
+    from flux_numba_pack.nodes.host import residency as host
     dev = torch.device("cuda", 0)
     vb = _FakeVbar(pages=8, watermark=6)
     why = host.capture_headroom(((vb, 0, 1),), dev)
@@ -1001,7 +1001,7 @@ def test_capture_headroom_refuses_streamed_weights_and_low_memory(monkeypatch):
 def test_streamed_weights_are_those_beyond_the_vbar_watermark():
     """comfy-aimdo keeps a vbar's pages below its watermark resident and streams the rest: a module
     whose allocation ends beyond it is streamed on every call (the fast profile keeps a copy)."""
-    from flux_numba_pack.nodes.host import flux as host
+    from flux_numba_pack.nodes.host import residency as host
     vb = _FakeVbar(pages=8, watermark=4)
     vb.base_addr = 1 << 40
     page = 32 << 20

@@ -6,7 +6,7 @@ package handles it:
   * q/k norms: v0.8.0 ``layers.RMSNorm`` (``.scale``), v0.33+ ``operations.RMSNorm`` (``.weight``,
     ComfyUI's epsilon rule) -- ``flux.ComfyWeights.norm`` / ``norm_eps``;
   * DynamicVRAM (comfy-aimdo vbars, v0.33's default on NVIDIA) and ComfyUI's block prefetch queue
-    (``comfy.model_prefetch``) -- ``flux.staged_block``, ``flux.block_residency``;
+    (``comfy.model_prefetch``) -- ``residency.staged_block``, ``residency.block_residency``;
   * the model compiler (0.36+: allocation recording + its own graphs; ``--disable-comfy-compiler``)
     -- ``flux.compiler_recording`` makes the pack's graphs stand down while it records;
   * per-block attention chosen by the checkpoint (0.36+: ``comfy_attention``) -- ``flux.block_attention``;
@@ -37,14 +37,14 @@ def comfy_version() -> str:
 
 def features() -> dict:
     """What this ComfyUI has, as the host adapter sees it (each probe fails closed)."""
-    from . import flux
+    from . import residency
     f = {"version": comfy_version(), "tested": comfy_version() in TESTED}
     try:
         import comfy.memory_management as mem
         f["dynamic_vram"] = bool(getattr(mem, "aimdo_enabled", False))
     except Exception:
         f["dynamic_vram"] = False
-    mp = flux._prefetch_module()
+    mp = residency._prefetch_module()
     f["block_prefetch"] = mp is not None
     f["model_compiler"] = mp is not None and hasattr(mp, "malloc_graph_enabled")
     try:
