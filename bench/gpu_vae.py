@@ -45,6 +45,11 @@ import _pack  # noqa: E402
 
 _pack.load()
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
+
+
+def _plan_of(decoder):
+    from flux_numba_pack.nodes.host.vae import plan_of
+    return plan_of(decoder)
 from flux_numba_pack.cuda_kernels import groupnorm_silu as gn  # noqa: E402
 from flux_numba_pack.cuda_kernels import groupnorm_silu_nhwc as gnh  # noqa: E402
 from flux_numba_pack.cuda_kernels import upsample_nearest2x as up2  # noqa: E402
@@ -442,7 +447,7 @@ def run_decoder():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         res0 = torch.cuda.memory_reserved()
-        gr = pat_h._flux_numba_graph
+        gr = _plan_of(pat_h).graph
         out_g = [pat_h(z) for _ in range(3)][-1]      # 2 eager warm-ups, then capture + replay
         modes_g = gr.last_mode
         torch.cuda.synchronize()
@@ -552,7 +557,7 @@ def run_node_path():
         restored = type(vae.first_stage_model.decoder).__name__ == "Decoder"
         t_s = median_ms(lambda: vae.decode(z), warm=1, rep=5)
         t_p = median_ms(lambda: out.decode(z), warm=3, rep=9)      # from the 3rd decode on: the graph replays
-        gmode = out.patcher.object_patches["decoder"]._flux_numba_graph.last_mode
+        gmode = _plan_of(out.patcher.object_patches["decoder"]).graph.last_mode
         t_e = median_ms(lambda: out_e.decode(z), warm=1, rep=9)
         t_n = median_ms(lambda: out_n.decode(z), warm=1, rep=3)
         # ComfyUI's share: the same decode with the decoder's own time taken out (events around it)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import functools
 
 from .host import api
-from .runner import ATTENTIONS, BACKENDS, CUDA_GRAPHS, PROFILES, patch_model, runner_of, stats  # noqa: F401
+from .plan import ATTENTIONS, BACKENDS, CUDA_GRAPHS, NODE_ID, PROFILES, PatchPlan  # noqa: F401
+from .runner import patch_model, runner_of, stats  # noqa: F401
 
-NODE_ID = "FluxNumbaPatch"
 DISPLAY_NAME = "FLUX Numba Patch (fused blocks)"
 DESCRIPTION = ("Runs every FLUX.1 double/single block through this pack's fused Numba-CUDA ops. Returns a patched "
                "clone; the input model is untouched. Without a CUDA GPU / numba the model passes through unchanged "
@@ -38,16 +38,9 @@ TOOLTIPS = {
 }
 
 
-def options(profile="exact", route_norms=True, attention="auto", backend="auto", cuda_graph="auto") -> dict:
-    """The node's widget values, checked (ValueError naming the node and the input)."""
-    if isinstance(route_norms, str):
-        route_norms = route_norms.lower() in ("on", "true", "1", "yes")
-    for val, allowed, name in ((profile, PROFILES, "profile"), (attention, ATTENTIONS, "attention"),
-                               (backend, BACKENDS, "backend"), (cuda_graph, CUDA_GRAPHS, "cuda_graph")):
-        if val not in allowed:
-            raise ValueError(f"{NODE_ID}: {name} must be one of {allowed}, got {val!r}")
-    return {"profile": profile, "route_norms": bool(route_norms), "attention": attention, "backend": backend,
-            "cuda_graph": cuda_graph}
+def options(profile="exact", route_norms=True, attention="auto", backend="auto", cuda_graph="auto") -> PatchPlan:
+    """The node's widget values, checked (ValueError naming the node and the input): a ``PatchPlan``."""
+    return PatchPlan(profile, route_norms, attention, backend, cuda_graph)
 
 
 def apply(model, profile="exact", route_norms=True, attention="auto", backend="auto", cuda_graph="auto",

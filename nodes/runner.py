@@ -54,22 +54,19 @@ from typing import Optional
 import torch
 
 from .host import (ComfyWeights, attention_override, block_attention, block_problem, block_residency, call_problem,
-                   capture_headroom, compiler_recording, default_sdpa_attention, device_room, flux_types,
+                   capture_headroom, compiler_recording, default_sdpa_attention, flux_types,
                    dynamic_block, fp8_stored_block, flux_attention, release_pins, resolve_block, staged_block,
                    streamed_weights,
                    weight_epoch)
+from .plan import (ATTENTION_BACKEND, ATTENTION_OP, ATTENTIONS, BACKENDS, CUDA_GRAPHS, FAST_PROFILES,  # noqa: F401
+                   PROFILES, BlockFacts, PatchPlan)
+from .warm import warm_kernels, _use_stock_rope
+from .checks import input_problem
+from .fp8_copies import FP8_KEEP_FREE_SHARE, Fp8Copies  # noqa: F401
 
 log = logging.getLogger("flux_numba")
 
-PROFILES = ["exact", "stock-order", "fast", "fast-cached"]
-FAST_PROFILES = ("fast", "fast-cached")
-ATTENTIONS = ["auto", "sdpa", "numba-bf16", "numba-8bit"]
-BACKENDS = ["auto", "torch", "numba"]
-CUDA_GRAPHS = ["auto", "off"]
 
-# registry backend names of the attention kernels (cuda_kernels/attention*.py register these)
-ATTENTION_BACKEND = {"numba-bf16": "numba", "numba-8bit": "numba-8bit"}
-ATTENTION_OP = "attention"
 REFERENCE_NAME = "torch"  # the registry's reference backend
 SDPA_BACKENDS = (REFERENCE_NAME, "cudnn")  # the attention op's torch SDPA backends (torch's order / cuDNN first)
 INFO_KEY = "flux_numba"
@@ -94,23 +91,18 @@ def stats(patch_id: int) -> dict:
     return _STATS.get(patch_id, {})
 
 
-def _reuse_key(model, opts):
-    return id(model), tuple(sorted(opts.items()))
+def _reuse_key(model, plan):
+    return id(model), PatchPlan.of(plan)
 
 
-def _reused_runner(model, opts):
-    key = _reuse_key(model, opts)
+def _reused_runner(model, plan):
+    key = _reuse_key(model, plan)
     r = _REUSE.get(key)
     if r is None or r.model_ref() is not model:
         _REUSE.pop(key, None)
         return None
     _REUSE.move_to_end(key)
     return r
-
-
-# another patch of a model runs: the model's kept fp8 copies stay while their GPU has at least this share
-# of its memory free (a switch back then replays its graphs at once); below it they are freed
-FP8_KEEP_FREE_SHARE = 0.25
 
 
 def _release_fp8_copies(model, current):
@@ -185,49 +177,21 @@ def unavailable_reason(model_patcher, backend: str) -> Optional[str]:
     return None
 
 
-def _input_problem(kind, blk, args) -> Optional[str]:
-    C = blk.hidden_size
-    img, vec = args.get("img"), args.get("vec")
-    streams = [("img", img)] + ([("txt", args.get("txt"))] if kind == "double" else [])
-    for name, t in streams:
-        if not isinstance(t, torch.Tensor) or t.ndim != 3 or t.shape[-1] != C:
-            return f"{name} is {_desc(t)}, expected [B, L, {C}]"
-        if not t.is_floating_point():
-            return f"{name} has dtype {t.dtype}"
-    if not isinstance(vec, torch.Tensor) or vec.ndim not in (2, 3) or vec.shape[-1] != C:
-        return f"vec is {_desc(vec)}, expected [B, {C}]"
-    if vec.shape[0] not in (1, img.shape[0]):
-        return f"vec batch {vec.shape[0]} vs img batch {img.shape[0]}"
-    pe = args.get("pe")
-    if pe is not None:
-        L = img.shape[1] + (args["txt"].shape[1] if kind == "double" else 0)
-        D = C // blk.num_heads
-        if not isinstance(pe, torch.Tensor) or pe.ndim != 6 or pe.shape[2] != L or pe.shape[3] != D // 2:
-            return f"pe is {_desc(pe)}, expected [B, 1, {L}, {D // 2}, 2, 2]"
-    return None
-
-
-def _desc(t):
-    if hasattr(t, "shape"):
-        return f"{tuple(t.shape)} {getattr(t, 'dtype', '')}"
-    return type(t).__name__
-
-
 # ----------------------------------------------------------------------------- runner
-class _Runner:
+class _Runner(Fp8Copies):
     """Shared by all block functions of one patch (and every later clone of the patched model)."""
 
-    def __init__(self, options: dict, model_ref, patch_id: int):
+    def __init__(self, plan, model_ref, patch_id: int):
         blocks, registry, runtime = _pack()
         self.blocks = blocks
         self.registry = registry
-        self.opts = dict(options)
+        self.plan = plan = PatchPlan.of(plan)
         self.model_ref = model_ref
-        self.fused = options["profile"] in ("exact",) + FAST_PROFILES
-        self.fast = options["profile"] in FAST_PROFILES
+        self.fused = plan.fused
+        self.fast = plan.fast
         self._fp8 = {}  # device -> flux_core.fast.Fp8Weights, or None where fp8 cannot run (logged)
-        self.policy, self.attn_route = self._policy(options, registry)
-        self.block_ok = {}  # id(block) -> (weakref(block), reason or None, DynamicVRAM weights?, fp8-stored weights?, serial)
+        self.policy, self.attn_route = plan.op_policy(registry.ops)
+        self.block_ok = {}  # id(block) -> BlockFacts
         self.proven = set()  # input signatures that ran through our path once
         self.attn_choice = {}  # attention "auto": input signature -> backend the registry chose
         self._sdpa_direct = None  # see sdpa_direct()
@@ -253,77 +217,11 @@ class _Runner:
             self.whole.drop()
         self.drop_fp8_copies()
 
-    def fp8_room(self) -> bool:
-        """Every GPU this runner keeps fp8 copies on has ``FP8_KEEP_FREE_SHARE`` of its memory free as
-        ComfyUI budgets it (``host.device_room``: the memory ``--reserve-vram`` keeps for other programs
-        is not room) -- False off a CUDA device or when the driver cannot say: the copies are then freed."""
-        for dev, c in self._fp8.items():
-            if c is None or not c.nbytes():
-                continue
-            try:
-                d = torch.device(dev)
-                if d.type != "cuda":
-                    return False
-                free, total = device_room(d)  # (ComfyUI's view: less what --reserve-vram keeps free)
-            except Exception:
-                return False
-            if free < FP8_KEEP_FREE_SHARE * total:
-                return False
-        return True
-
-    def drop_fp8_copies(self):
-        """Free the kept fp8 weight copies, and with them every CUDA graph captured over them (a
-        replay would read freed memory: an illegal address that takes the server down)."""
-        freed = 0
-        for c in self._fp8.values():
-            if c is not None:
-                freed += c.clear() or 0
-        if freed:
-            if self.graphs is not None:
-                self.graphs.drop("its fp8 weight copies were freed")
-            if self.whole is not None:
-                self.whole.drop()
-
     def enable_block_graphs(self, capture_fn=None):
         self.graphs = self._graphs_mod.BlockGraphs(capture_fn)
         self.stats["block_graphs"] = self.graphs.counts  # replay / capture / eager / eager_not_resident / failed
         self.stats["block_graph_misses"] = self.graph_why
         return self.graphs
-
-    @staticmethod
-    def _policy(o, registry):
-        pol = {}
-        if o["backend"] == "torch":
-            pol["*"] = "torch"
-        elif o["backend"] == "numba":
-            pol["*"] = "numba"
-        if not o["route_norms"]:
-            for name in registry.ops:
-                if name != ATTENTION_OP:
-                    pol[name] = "torch"
-        a = o["attention"]
-        if a in ATTENTION_BACKEND:
-            pol[ATTENTION_OP] = ATTENTION_BACKEND[a]
-            route = "registry"
-        elif a == "sdpa" or o["backend"] == "torch":
-            route = "comfy"
-        elif o["backend"] == "numba":
-            pol[ATTENTION_OP] = ATTENTION_BACKEND["numba-bf16"]
-            route = "registry"
-        else:  # auto/auto: the registry picks; its torch reference is replaced by ComfyUI's attention
-            pol[ATTENTION_OP] = "auto"
-            route = "auto"
-        return pol, route
-
-    def fp8_cache(self, device):
-        """The fast profile's fp8 weight cache for ``device`` (None, logged once, where it cannot run)."""
-        if device not in self._fp8:
-            from ..flux_core import fast
-            why = fast.support(device)
-            self._fp8[device] = None if why else fast.Fp8Weights(keep=self.opts["profile"] == "fast-cached")
-            self.note(("fp8", device), logging.WARNING if why else logging.INFO, "profile fast on %s: %s", device,
-                      f"{why}; running the exact profile" if why else "block GEMMs in fp8 e4m3 (row-wise scales)")
-        return self._fp8[device]
 
     def sdpa_direct(self) -> bool:
         """attention "auto", the registry's pick is an SDPA backend: True when ComfyUI's attention is
@@ -419,13 +317,13 @@ class _Runner:
         blk = resolve_block(kind, index, extra, self.model_ref)
         if blk is None:
             return self.fallback(kind, index, "block module not found", args, extra)
-        hit = self.block_ok.get(id(blk))
-        if hit is None or hit[0]() is not blk:
-            hit = self.block_ok[id(blk)] = (weakref.ref(blk), block_problem(kind, blk), dynamic_block(blk),
-                                            self.fast and fp8_stored_block(kind, blk), next(_ids))
-        bad = hit[1] or call_problem(args, extra)
+        facts = self.block_ok.get(id(blk))
+        if facts is None or facts.ref() is not blk:
+            facts = self.block_ok[id(blk)] = BlockFacts(weakref.ref(blk), block_problem(kind, blk), dynamic_block(blk),
+                                                        self.fast and fp8_stored_block(kind, blk), next(_ids))
+        bad = facts.problem or call_problem(args, extra)
         if bad is None:
-            bad = _input_problem(kind, blk, args)
+            bad = input_problem(kind, blk, args)
         if bad is not None:
             return self.fallback(kind, index, bad, args, extra)
 
@@ -447,7 +345,7 @@ class _Runner:
         fp8 = None
         if self.fast:
             fp8 = self.fp8_cache(img.device)
-            if fp8 is not None and not fp8.keep and hit[2] and not hit[3] and not use_graph:
+            if fp8 is not None and not fp8.keep and facts.dynamic and not facts.fp8_stored and not use_graph:
                 # DynamicVRAM + bf16 weights + per-step quantisation, eager: slower than stock there;
                 # inside per-block graphs the quantisation is device work only
                 self.note(("fast-dynamic", kind), logging.WARNING,
@@ -466,8 +364,7 @@ class _Runner:
 
         def run(silu_cache, host, img, txt, vec, pe, mask):
             ctx = self.blocks.BlockContext(fused=self.fused, attention=attention, silu_cache=silu_cache,
-                                           gemm_epilogue=self.fused and self.opts["backend"] == "auto"
-                                           and self.opts["route_norms"],
+                                           gemm_epilogue=self.plan.gemm_epilogue,
                                            host=host, quant8=self.policy.get(ATTENTION_OP) == "numba-8bit",
                                            fp8=fp8, fp8_epoch=epoch, keep_plain=plain)
             with self.registry.force(**policy):
@@ -477,7 +374,7 @@ class _Runner:
                 return {"img": self.blocks.single_block(blk, img, vec, pe, mask, ctx)}
 
         def eager():
-            return self._eager(kind, index, fsig, sig, blk, hit, args, extra, run, skip)
+            return self._eager(kind, index, fsig, sig, blk, facts, args, extra, run, skip)
 
         self.stats["calls"] += 1
         if not use_graph:
@@ -494,9 +391,9 @@ class _Runner:
         try:
             inputs = {"img": img, "txt": txt, "vec": vec, "pe": pe, "mask": mask} if kind == "double" else \
                 {"img": img, "vec": vec, "pe": pe, "mask": mask}
-            out = self.graphs.call((hit[4], sig), kind, wkey, inputs, core, eager,
+            out = self.graphs.call((facts.serial, sig), kind, wkey, inputs, core, eager,
                                    outputs=("img", "txt") if kind == "double" else ("img",),
-                                   prepare=lambda: staged_block(blk, img.device, hit[2] and STAGE_BLOCKS,
+                                   prepare=lambda: staged_block(blk, img.device, facts.dynamic and STAGE_BLOCKS,
                                                                 dtype=img.dtype, skip=skip),
                                    can_capture=lambda: capture_headroom(pins, img.device, partial=bool(skip)))
         finally:
@@ -505,7 +402,7 @@ class _Runner:
             self.graph_why[why] = self.graph_why.get(why, 0) + 1
         return out
 
-    def _eager(self, kind, index, fsig, sig, blk, hit, args, extra, run, skip=frozenset()):
+    def _eager(self, kind, index, fsig, sig, blk, facts, args, extra, run, skip=frozenset()):
         """The block on the caller's tensors, with the first-call backup and the fallback policy."""
         img, txt = args["img"], args.get("txt")
         vec, pe, mask = args["vec"], args.get("pe"), args.get("attn_mask")
@@ -514,7 +411,7 @@ class _Runner:
             backup = (img.clone(), None if txt is None else txt.clone())
         versions = (self.version(img), None if txt is None else self.version(txt))
         weights = ComfyWeights()
-        with staged_block(blk, img.device, hit[2] and STAGE_BLOCKS, skip=skip):
+        with staged_block(blk, img.device, facts.dynamic and STAGE_BLOCKS, skip=skip):
             try:
                 out = run(self.silu_cache, weights, img, txt, vec, pe, mask)
             except Exception as e:
@@ -539,71 +436,6 @@ class _Runner:
             return out
 
 
-def _use_stock_rope():
-    """The torch reference of qk_norm_rope uses ComfyUI's own RoPE (comfy-kitchen's kernel), so the
-    pack's torch path costs what stock costs (a plain fp32 torch RoPE is ~13 ms/step slower)."""
-    from ..cuda_kernels import qk_norm_rope
-    from .host import stock_rope
-    rope = stock_rope()
-    if rope is None:
-        log.info("[flux_numba] stock RoPE not found; torch path uses the plain torch RoPE")
-    else:
-        qk_norm_rope.set_stock_rope(rope)
-
-
-# (op, backend) pairs warmed without error in this process: a re-executed patch node (a workflow that
-# alternates re-runs it every prompt) skips them -- warming them again cost ~0.1 s per prompt (test
-# tensors, a run and a device sync per op, two scans of numba's cache directory per op)
-_WARMED = set()
-
-
-def warm_kernels(unique_id, opts) -> dict:
-    """Compile (or load from the on-disk cache) the kernels this patch may use, with progress on the
-    node; failures are reported (the ops then run on torch), never raised.  Once per (op, backend)
-    and process (``_WARMED``)."""
-    from ..cuda_kernels import prebuild, warmup
-    from .progress import compile_progress
-    want_attn = {"numba-bf16": {"numba"}, "numba-8bit": {"numba-8bit"}}.get(
-        opts["attention"], {"numba"} if opts["backend"] == "numba" and opts["attention"] != "sdpa" else set())
-    fp8 = False
-    if opts["profile"] in FAST_PROFILES:
-        from ..flux_core import fast
-        fp8 = fast.support("cuda") is None  # elsewhere the fast profile runs exact (logged at the first step)
-    want = {(op, b) for op, b in warmup.WARM_NAMES
-            if (op in warmup.FP8_OPS and fp8) or (op == "attention" and b in want_attn)
-            or (op not in warmup.FP8_OPS + warmup.VAE_OPS and op != "attention" and opts["route_norms"])}
-    # by name only: warm_all builds the test tensors (~20-50 ms of host work) for what is left
-    calls = [n for n in warmup.WARM_NAMES if n in want and n not in _WARMED]
-    if not calls:
-        return {"warm": "all kernels of this patch were warmed earlier in this process"}
-    out = {}
-    build = prebuild.current()
-    if build is not None and not build.done.is_set():
-        # the kernels are being built in the background (first start after an install or update):
-        # no wait here -- each op runs ComfyUI's torch math until its kernels are stored; what the
-        # build does not cover (the pack's own attention kernels, when asked for) is warmed below
-        done, total = build.progress()
-        from .progress import _send_text
-        msg = (f"FluxNumba kernels: being built in the background ({done}/{total or '?'}); the first steps "
-               f"run ComfyUI's own math and switch to the kernels as they are ready")
-        log.info("[flux_numba] %s", msg)
-        _send_text(msg, unique_id)
-        out["background_build"] = {"done": done, "total": total, "state": build.state}
-        calls = [c for c in calls if not build.covers(c[0])]
-        if not calls:
-            return out
-    with compile_progress(unique_id, total=len(calls)) as prog:
-        res = warmup.warm_all("cuda", backends=set(calls), on_begin=prog.begin,
-                              on_step=lambda name, cached, dt, err: prog.step(name + (f" FAILED ({err})" if err else ""),
-                                                                              cached=cached))
-    out.update({k: {"s": round(v["seconds"], 2), "cached": v["cached"], "error": v["error"]} for k, v in res.items()})
-    for op, backend in calls:
-        r = res.get(warmup.warm_name(op, backend))
-        if r is not None and r["error"] is None:
-            _WARMED.add((op, backend))
-    return out
-
-
 def _make_fn(runner, kind, index, previous=None):
     """A plain function (ModelPatcher deep-copies model_options: functions are copied by reference)."""
     if previous is None:
@@ -622,15 +454,16 @@ def _make_fn(runner, kind, index, previous=None):
 # ----------------------------------------------------------------------------- node
 
 
-def patch_model(model, opts: dict, unique_id=None):
-    """FluxNumbaPatch's work: a patched clone of ``model`` (the node's options, checked), or the clone
-    passed through with the reason logged; returns ``(clone,)``."""
+def patch_model(model, plan, unique_id=None):
+    """FluxNumbaPatch's work: a patched clone of ``model`` (``plan``: the node's checked settings, a
+    ``PatchPlan``), or the clone passed through with the reason logged; returns ``(clone,)``."""
     from .host import log_once
     log_once()  # which ComfyUI, and what the host package adapts to (once per process)
+    plan = PatchPlan.of(plan)
     m = model.clone()
-    info = dict(opts, active=False, reason=None, double_blocks=0, single_blocks=0, id=None)
+    info = dict(plan.as_dict(), active=False, reason=None, double_blocks=0, single_blocks=0, id=None)
 
-    why = unavailable_reason(m, opts["backend"])
+    why = unavailable_reason(m, plan.backend)
     dm = None
     if why is None:
         try:
@@ -661,11 +494,11 @@ def patch_model(model, opts: dict, unique_id=None):
             why = f"cannot inspect the model ({type(e).__name__}: {e})"
     if why is None:
         try:
-            runner = _reused_runner(m.model, opts)
+            runner = _reused_runner(m.model, plan)
             if runner is None:
-                runner = _Runner(opts, weakref.ref(m.model), next(_ids))
+                runner = _Runner(plan, weakref.ref(m.model), next(_ids))
                 _RUNNERS[runner.patch_id] = runner
-                _REUSE[_reuse_key(m.model, opts)] = runner
+                _REUSE[_reuse_key(m.model, plan)] = runner
                 while len(_REUSE) > REUSE_MAX:
                     _REUSE.popitem(last=False)
             _release_fp8_copies(m.model, runner)
@@ -691,10 +524,10 @@ def patch_model(model, opts: dict, unique_id=None):
     # pageable memory waits for the GPU: the next step's host work would run with the GPU idle)
     info["conds_on_device"] = install_conds_on_device(m)
     runtime = _pack()[2]
-    if opts["backend"] != "torch" and not runtime.SIMULATOR:
-        info["kernels"] = warm_kernels(unique_id, opts)
+    if plan.backend != "torch" and not runtime.SIMULATOR:
+        info["kernels"] = warm_kernels(unique_id, plan)
     info["cuda_graph"] = "off"
-    if opts["cuda_graph"] == "auto":
+    if plan.graphs:
         from .cuda_graph import install
         from .host import drop_on_unload
         if runner.whole is None:
@@ -709,5 +542,5 @@ def patch_model(model, opts: dict, unique_id=None):
                 policy=dict(runner.policy), simulator=bool(getattr(runtime, "SIMULATOR", False)))
     m.model_options["transformer_options"][INFO_KEY] = info
     log.info("[flux_numba] FluxNumbaPatch: %d double + %d single blocks, %s", info["double_blocks"],
-             info["single_blocks"], {k: opts[k] for k in opts})
+             info["single_blocks"], plan.as_dict())
     return (m,)

@@ -136,12 +136,12 @@ def _kept_copy(device, ids):
     f8._cache[id(lin)] = (weakref.ref(lin), ("k",), torch.zeros(8, 16), torch.ones(8))
     cached._fp8[device] = f8
     for r in (cached, exact):
-        P._REUSE[P._reuse_key(model, r.opts)] = r
+        P._REUSE[P._reuse_key(model, r.plan)] = r
     try:
         yield model, cached, exact, f8
     finally:
         for r in (cached, exact):
-            P._REUSE.pop(P._reuse_key(model, r.opts), None)
+            P._REUSE.pop(P._reuse_key(model, r.plan), None)
 
 
 def test_freeing_fp8_copies_drops_the_graphs_that_read_them():

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from flux_numba_pack.cuda_kernels import intrinsics as ik
+from flux_numba_pack.cuda_kernels import launching
 from flux_numba_pack.cuda_kernels import prebuild, prebuild_worker, warmup
 from flux_numba_pack.cuda_kernels import ln_modulate as LM
 
@@ -36,15 +36,15 @@ def test_collecting_records_and_launches_nothing():
     out = LM.numba_ln_modulate(x, sh, sc)  # compiles nothing in the simulator; a reference run
     assert torch.isfinite(out.float()).all()
     poison = torch.full_like(x, float("nan"))
-    with ik.collecting() as jobs:
+    with launching.collecting() as jobs:
         B = x.shape[0]
         VEC, VW, (xw, ow, shw, scw) = LM.vec_views(x, poison, sh, sc)
         LM.launch_rows(0, VEC, VW, xw, xw, shw, shw, scw, ow, 1e-6)
     assert torch.isnan(poison.float()).all(), "a planning pass must not launch"
-    assert jobs and all(isinstance(la, ik.Launcher) for la, _ in jobs)
+    assert jobs and all(isinstance(la, launching.Launcher) for la, _ in jobs)
     la, sig = jobs[0]
     assert len(sig) == 8 and str(sig[-1]) == "float32" and sig[0].ndim == 3
-    assert not ik.planning()
+    assert not launching.planning()
 
 
 def test_recipes_rebuild_the_same_factory():
@@ -53,7 +53,7 @@ def test_recipes_rebuild_the_same_factory():
     assert rec is not None and rec[1] == "make_row_kernel"
     f, args = _resolve(rec)
     assert f is LM.make_row_kernel and args == la.args
-    assert ik.Launcher(lambda: None).recipe() is None  # a lambda cannot be rebuilt elsewhere
+    assert launching.Launcher(lambda: None).recipe() is None  # a lambda cannot be rebuilt elsewhere
 
 
 def test_plan_covers_the_default_ops_with_recipes():
@@ -80,7 +80,7 @@ def test_plan_leaves_no_state_behind():
     before = dict(LM._occupancy)
     prebuild.plan("cpu")
     assert LM._occupancy == before  # no occupancy answer is cached from a planning pass
-    assert not ik.planning()
+    assert not launching.planning()
 
 
 def test_gate_waits_for_a_running_build(monkeypatch):
@@ -112,7 +112,7 @@ def test_gate_waits_for_a_running_build(monkeypatch):
 
 def test_start_declines_without_a_gpu():
     assert prebuild.start() is None  # the simulator / no CUDA: nothing started, nothing gated
-    assert ik.compile_gate is ik._no_gate or prebuild.current() is None
+    assert launching.compile_gate is launching._no_gate or prebuild.current() is None
 
 
 def _plan_file(tmp_path, jobs, cc=(9, 0)):
@@ -244,7 +244,7 @@ def test_patch_node_warms_each_kernel_once_per_process(monkeypatch):
     (alternating workflows re-execute the node every prompt) warms nothing already warmed, and a
     kernel whose warm-up failed is tried again."""
     import contextlib
-    from flux_numba_pack.nodes import runner, progress
+    from flux_numba_pack.nodes import progress, warm as runner
     monkeypatch.setattr(runner, "_WARMED", set())
     monkeypatch.setattr(prebuild, "current", lambda: None)
 

@@ -20,6 +20,12 @@ from _comfy_trees import comfyui_path
 DEV = "cpu" if runtime.SIMULATOR else "cuda"
 
 
+def _plan_of(decoder):
+    """The DecoderPlan of a decoder the VAE patch made (its low-res graph, layout ...)."""
+    from flux_numba_pack.nodes.host.vae import plan_of
+    return plan_of(decoder)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _fast_simulator():
     # The simulator's block manager busy-polls its threads; a short GIL switch interval makes
@@ -360,9 +366,9 @@ def test_decoder_low_res_graph(strict):
     ref = VP.apply(vae, cuda_graph="off")[0]
     ref_dec = ref.patcher.object_patches["decoder"]
     pat = out.patcher.object_patches["decoder"]
-    g = pat._flux_numba_graph
+    g = _plan_of(pat).graph
     from flux_numba_pack.flux_core.vae import LowResGraph
-    assert isinstance(g, LowResGraph) and ref_dec._flux_numba_graph is None
+    assert isinstance(g, LowResGraph) and _plan_of(ref_dec).graph is None
     modes = []
     with torch.no_grad():
         for i in range(7):
@@ -394,7 +400,7 @@ def test_low_res_graph_failures(monkeypatch, caplog):
     import flux_numba_pack.nodes.host as H
     dec, fsm, vae = _small_vae(M, torch.bfloat16)
     pat = VP.apply(vae)[0].patcher.object_patches["decoder"]
-    g = pat._flux_numba_graph
+    g = _plan_of(pat).graph
     z = torch.randn(1, 16, 2, 3, device=DEV).to(torch.bfloat16)
     with torch.no_grad():
         want = VP.apply(vae, cuda_graph="off")[0].patcher.object_patches["decoder"](z)
@@ -452,7 +458,7 @@ def test_repatch_while_patched(strict):
         assert second is not vae, "refused to patch while the first patch is applied"
         d2 = second.patcher.object_patches["decoder"]
         assert d2 is not fsm.decoder and HV.original_decoder(d2) is dec and HV.original_decoder(fsm.decoder) is dec
-        assert d2._flux_numba_layout == "nchw" and d2._flux_numba_graph is None
+        assert _plan_of(d2).layout == "nchw" and _plan_of(d2).graph is None
         assert set(d2.state_dict()) == set(dec.state_dict())   # the back-reference is no submodule
     finally:
         vae.patcher.unpatch_model()
@@ -468,7 +474,7 @@ def test_low_res_graph_dropped_on_detach():
     VP = _node_module()
     dec, fsm, vae = _small_vae(M, torch.bfloat16)
     out = VP.apply(vae)[0]
-    g = out.patcher.object_patches["decoder"]._flux_numba_graph
+    g = _plan_of(out.patcher.object_patches["decoder"]).graph
     dropped = []
     g.drop = lambda: dropped.append(True)
     out.patcher.patch_model(load_weights=False)
@@ -493,9 +499,9 @@ def test_repatching_reuses_the_patched_decoder():
     b = VP.apply(vae)[0]
     assert a is not b and a.patcher is not b.patcher   # a new VAE object per run, as before
     da, db = (v.patcher.object_patches["decoder"] for v in (a, b))
-    assert da is db and da._flux_numba_graph is not None
+    assert da is db and _plan_of(da).graph is not None
     dc = VP.apply(vae, cuda_graph="off")[0].patcher.object_patches["decoder"]
-    assert dc is not da and dc._flux_numba_graph is None
+    assert dc is not da and _plan_of(dc).graph is None
     keys = [k for k in HV._REUSE if k[0] == id(fsm)]
     assert len(keys) == 2
     del a, b, da, db, dc, vae, fsm, dec

@@ -20,6 +20,7 @@ import logging
 import sys
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -108,6 +109,26 @@ def _graph_state(dec, device):
 
 
 # ------------------------------------------------------------------ the patched classes' forwards
+@dataclass
+class DecoderPlan:
+    """What a patched decoder is: the stock decoder it was made from, the VAE patch's settings, its
+    low-resolution CUDA graph (None: cuda_graph off) and the latent shapes whose NHWC path failed
+    (those run the NCHW path).  One attribute of the patched decoder (``plan_of``)."""
+    original: torch.nn.Module
+    backend: str = "auto"
+    layout: str = "nhwc"
+    graph: Optional[object] = None  # flux_core.vae.LowResGraph
+    nhwc_failed: set = field(default_factory=set)
+
+
+PLAN_ATTR = "_flux_numba_plan"  # (in the module's __dict__: not a submodule, no state-dict keys)
+
+
+def plan_of(decoder) -> Optional[DecoderPlan]:
+    """The DecoderPlan of a decoder the VAE patch made, else None."""
+    return getattr(decoder, "__dict__", {}).get(PLAN_ATTR)
+
+
 def _resnet_forward(self, x, temb=None, conv_carry_in=None, conv_carry_out=None, **kwargs):
     base = type(self).__mro__[1]
     if x.ndim != 4 or temb is not None or conv_carry_in is not None or conv_carry_out is not None or kwargs:
@@ -133,21 +154,21 @@ def _decoder_forward(self, z, **kwargs):
     base = type(self).__mro__[1]
     if z.ndim != 4 or self.carried:
         return base.forward(self, z, **kwargs)
-    backend = getattr(self, "_flux_numba_backend", "auto")
+    plan = plan_of(self) or DecoderPlan(self, layout="nchw")
+    backend = plan.backend
     with vae.backend_ctx(backend):
-        why = vae.nhwc_problem(z, kwargs, getattr(self, "_flux_numba_layout", "nchw"), backend,
-                               self.__dict__.get("_flux_numba_nhwc_failed", ()))
+        why = vae.nhwc_problem(z, kwargs, plan.layout, backend, plan.nhwc_failed)
         if why is None:
             host = sys.modules[__package__]
             try:
                 # DynamicVRAM: every decoder weight staged once for the decode (as ComfyUI's block
                 # prefetch does), not op by op with a stream round trip each
                 with host.staged_block(self, z.device, host.dynamic_block(self)):
-                    return vae.decode_nhwc(self, z, HOST, kwargs, low=self.__dict__.get("_flux_numba_graph"))
+                    return vae.decode_nhwc(self, z, HOST, kwargs, low=plan.graph)
             except Exception as e:  # logged once; this shape then runs the NCHW path
                 if registry.strict or is_oom(e) or is_interrupt(e):
                     raise
-                self.__dict__.setdefault("_flux_numba_nhwc_failed", set()).add(tuple(z.shape))
+                plan.nhwc_failed.add(tuple(z.shape))
                 log.warning("[flux_numba] %s: NHWC decoder path failed for latent %s (%s: %s); "
                             "that shape runs the NCHW path", NODE_ID, tuple(z.shape), type(e).__name__, e)
         return vae.body(self, z, HOST, kwargs)
@@ -199,11 +220,8 @@ def patched_decoder(decoder, backend: str = "auto", layout: str = "nhwc", cuda_g
         return new
 
     new = rebuild(decoder)
-    new.__dict__["_flux_numba_original"] = decoder   # (not a submodule: no state-dict keys)
-    new._flux_numba_backend = backend
-    new._flux_numba_layout = layout
-    new._flux_numba_graph = vae.LowResGraph(HOST, _graph_state, NODE_ID) if cuda_graph == "auto" else None
-    new.__dict__.pop("_flux_numba_nhwc_failed", None)
+    new.__dict__[PLAN_ATTR] = DecoderPlan(decoder, backend, layout,
+                                          vae.LowResGraph(HOST, _graph_state, NODE_ID) if cuda_graph == "auto" else None)
     return new, counts
 
 
@@ -216,8 +234,8 @@ def original_decoder(decoder):
     patched VAE decoded, ``first_stage_model.decoder`` IS our clone until another patcher of that VAE
     loads -- a node re-run then (new widget values, a second patch node on the same VAE) patches the
     original again instead of refusing."""
-    while is_patched(decoder) and "_flux_numba_original" in decoder.__dict__:
-        decoder = decoder.__dict__["_flux_numba_original"]
+    while is_patched(decoder) and plan_of(decoder) is not None:
+        decoder = plan_of(decoder).original
     return decoder
 
 
@@ -257,7 +275,7 @@ def _reused_decoder(fsm, orig, backend, layout, cuda_graph):
     """(patched decoder, counts) for ``orig`` (the decoder of ``fsm``, a VAE's first_stage_model)."""
     key = (id(fsm), backend, layout, cuda_graph)
     hit = _REUSE.get(key)
-    if hit is not None and hit[0]() is fsm and hit[1].__dict__.get("_flux_numba_original") is orig:
+    if hit is not None and hit[0]() is fsm and plan_of(hit[1]).original is orig:
         _REUSE.move_to_end(key)
         return hit[1], hit[2]
     dec, counts = patched_decoder(orig, backend, layout, cuda_graph)
@@ -289,7 +307,7 @@ def patch_vae(vae_obj, backend: str = "auto", layout: str = "nhwc", cuda_graph: 
     out = copy.copy(vae_obj)
     out.patcher = vae_obj.patcher.clone()
     out.patcher.add_object_patch("decoder", dec)
-    g = dec.__dict__.get("_flux_numba_graph")
+    g = plan_of(dec).graph
     if g is not None and not drop_on_unload(out.patcher, "flux_numba_vae_graph", lambda: g.drop()):
         log.info("[flux_numba] %s: no detach callback on this host; the low-res graph lives as long as the VAE",
                  NODE_ID)
