@@ -79,11 +79,10 @@ def _mlp(mlp, x, ctx: Optional[BlockContext] = None):
 
 def _linear_rows(lin, x, ctx):
     """``lin(x)`` for x [B, L, K] whose rows are strided (a column slice of a wider buffer).
-    torch's linear runs a non-contiguous 3-D input as matmul + a separate bias-add kernel (1.5 ms
-    of GPU time per FLUX step on the H200, 2026-11-29 run 7); addmm on the 2-D row view keeps the
-    bias in the GEMM epilogue (run 9: kernel time 117.6 -> 114.6 ms/step).  But eagerly the addmm
-    path costs more host time per call and the eager step became host-bound (126 -> 137 ms,
-    runs 9-10), so it is used only while a CUDA graph is being captured (host cost then vanishes)."""
+    torch's linear runs a non-contiguous 3-D input as matmul + a separate bias-add kernel; addmm on
+    the 2-D row view keeps the bias in the GEMM epilogue (less GPU time per step).  But eagerly the
+    addmm path costs more host time per call and made the eager step host-bound, so it is used only
+    while a CUDA graph is being captured (host cost then vanishes).  Numbers: BENCHMARKS.md, FLUX step."""
     if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return lin(x)
     pw = ctx.host.linear(lin, x)

@@ -224,8 +224,8 @@ class Fp8Weights:
         return ones if scale is None else ones * scale.to(device=device, dtype=torch.float32).reshape(1, 1)
 
 
-# cuBLASLt's fp8 "fast accumulation": FLUX step 93.6 -> 89.0 ms with graph replay, trajectory 44.4 dB
-# both ways (BENCHMARKS, H200 2026-12-01 fp8 runs); FLUX_NUMBA_FP8_FAST_ACCUM=0 turns it off
+# cuBLASLt's fp8 "fast accumulation": faster at the same trajectory agreement (BENCHMARKS.md, fp8 /
+# fast profile section); FLUX_NUMBA_FP8_FAST_ACCUM=0 turns it off
 FAST_ACCUM = os.environ.get("FLUX_NUMBA_FP8_FAST_ACCUM", "1") != "0"
 
 _BIAS_IN_EPILOGUE = {}  # device type -> whether _scaled_mm takes a bf16 bias with row-wise scales here

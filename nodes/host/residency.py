@@ -107,9 +107,8 @@ def _freezes_per_call_work(m) -> bool:
 def graph_state(module: torch.nn.Module, device: torch.device):
     """(reasons a captured graph over ``module``'s weights is unsafe now, the weights' addresses) in
     one pass over the modules that own parameters -- the per-call check of a graph replayed every
-    step / decode (``flux_core.graphs.graph_blockers`` + a per-module cast walk + a ``data_ptr`` walk,
-    what this replaced, cost ~3x more: 16.6 vs 5.7 ms over FLUX.1's 780 parameters on a slow CPU;
-    BENCHMARKS, 2026-12-01 VAE graph runs).
+    step / decode: one walk where a blocker check, a cast walk and an address walk were three
+    (BENCHMARKS.md, VAE graph section, has the host cost).
     The module tree is walked afresh each call: a swapped submodule changes the addresses too.
     Reasons: weights off ``device`` (low-VRAM offload), per-call weight work
     (``_freezes_per_call_work``: DynamicVRAM staging, weight functions), already inside a capture.
