@@ -11,10 +11,22 @@ runs ``--repeat`` times; the last run is the one reported (the first patched one
 
 No real weights are needed: a random FLUX.1-dev checkpoint (ComfyUI layout, bf16, std 0.02) is
 written once to ``--weights`` (default /dev/shm), a random FLUX VAE next to it, and a small custom
-node stands in for the text encoders (T5-XXL is 4.7 B parameters).
+node stands in for the text encoders (T5-XXL is 4.7 B parameters).  The FLUX.1 family runs as case
+suffixes (graph()): ``_schnell`` / ``_fill`` load their own random checkpoint and ``_cn`` a random
+ControlNet, each made from --weights' tensors once, next to it; ``_kontext`` (a reference latent) and
+``_redux`` (Redux's 985-token context) change the conditioning.  Each pack case's PSNR is taken
+against the stock case of the same family members (stock_schnell for patched_schnell).
 
     python bench/gpu_server.py --comfy .carry/ComfyUI-0.8.0 --flags= --flags="--reserve-vram 118" \
         --cases stock,patched,easycache,lazycache --steps 28 --res 1024 --json $OUT/server.json
+    python bench/gpu_server.py --comfy .carry/ComfyUI-0.33.0 --flags= --interleave \
+        --cases stock_schnell,patched_schnell,stock_kontext,patched_kontext,stock_cn,patched_cn
+
+CPU smoke (a ComfyUI tree's Python; the smallest checkpoint ComfyUI detects as FLUX, its own text widths):
+
+    python run.py --write-model /tmp/fs/flux_min.safetensors --comfy-min
+    python bench/gpu_server.py --comfy .carry/ComfyUI-0.33.0 --flags=--cpu --weights /tmp/fs/flux_min.safetensors \
+        --cond-dims 64,32 --res 64 --steps 2 --repeat 1 --cases stock_fill,patched_fill
 
 Prints one table row per (tree, flags, case) at the end.
 """
@@ -22,10 +34,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
+import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -110,9 +125,37 @@ class FluxNumbaBenchSDPA:
         m.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = attn
         return (m,)
 
+class FluxNumbaBenchImage:
+    """BENCH ONLY: a seeded random image [1, height, width, 3] in [0, 1] (a Kontext reference, a Fill
+    picture, a ControlNet hint)."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0}), "width": ("INT", {"default": 1024}),
+                             "height": ("INT", {"default": 1024})}}
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "make"
+    CATEGORY = "FluxNumba/bench"
+    def make(self, seed, width, height):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.rand(1, height, width, 3, generator=g),)
+
+class FluxNumbaBenchMask:
+    """BENCH ONLY: a mask [1, height, width], 1 on the lower half (what a Fill prompt repaints), 0 above."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"width": ("INT", {"default": 1024}), "height": ("INT", {"default": 1024})}}
+    RETURN_TYPES = ("MASK",)
+    FUNCTION = "make"
+    CATEGORY = "FluxNumba/bench"
+    def make(self, width, height):
+        m = torch.zeros(1, height, width)
+        m[:, height // 2:, :] = 1.0
+        return (m,)
+
 NODE_CLASS_MAPPINGS = {"FluxNumbaBenchConditioning": FluxNumbaBenchConditioning,
                        "FluxNumbaBenchLatent": FluxNumbaBenchLatent, "FluxNumbaBenchSink": FluxNumbaBenchSink,
-                       "FluxNumbaBenchSDPA": FluxNumbaBenchSDPA}
+                       "FluxNumbaBenchSDPA": FluxNumbaBenchSDPA, "FluxNumbaBenchImage": FluxNumbaBenchImage,
+                       "FluxNumbaBenchMask": FluxNumbaBenchMask}
 '''
 
 AV_STUB = '''"""Stand-in for PyAV (absent on the GPU image): ComfyUI imports it (and av.* submodules)
@@ -466,6 +509,197 @@ def write_lora(path, seed=1):
     os.replace(path + ".tmp", path)
 
 
+# ---------------------------------------------------------------- the FLUX.1 family (case suffixes)
+FAMILIES = ("schnell", "kontext", "fill", "redux", "cn")
+FAMILY_RE = re.compile(r"_(schnell|kontext|fill|redux|cn)(?=_|$)")
+FAMILY_FILES = ("schnell", "fill", "cn")  # the members with weights of their own, written next to --weights
+SCHNELL_STEPS = 4        # FLUX.1-schnell is a 4-step model: its cases override --steps
+REDUX_TOKENS = 729       # Redux's StyleModelApply appends 27 x 27 SigLIP image tokens to the text context
+FILL_IN = 384            # FLUX.1 Fill's img_in features: (16 latent + 16 masked-image latent + 64 mask) x 2x2
+CN_DEPTH = 2             # double blocks of the random ControlNet (XLabs layout)
+CN_STRENGTH = 0.7
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1, "BOOL": 1,
+             "I16": 2, "I32": 4, "I64": 8}
+
+
+def family_file(weights, fam):
+    """Where a family member's weights go: named after --weights and next to it (a tiny and a full-size
+    --weights in one folder each get their own), ``<stem>_schnell`` / ``_fill`` / ``_cn.safetensors``.
+    With a bare file name (graph()'s ``unet``) the bare name of the member's file."""
+    d, b = os.path.split(weights)
+    stem = b[: -len(".safetensors")] if b.endswith(".safetensors") else b
+    return os.path.join(d, f"{stem}_{fam}.safetensors")
+
+
+def _st_header(path):
+    """A safetensors file's header {name: {dtype, shape, data_offsets}} and the offset its data starts at."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if not 0 < n <= min(os.path.getsize(path) - 8, 100 << 20):
+            raise ValueError(f"{path}: not a safetensors file")
+        h = json.loads(f.read(n))
+    if not isinstance(h, dict):
+        raise ValueError(f"{path}: not a safetensors file")
+    h.pop("__metadata__", None)
+    return h, 8 + n
+
+
+def _dev_header():
+    """The header write_weights gives --weights (FLUX.1-dev, bf16): sizes for a file not written yet."""
+    sys.path.insert(0, ROOT)
+    import _pack
+    _pack.load()
+    from flux_numba_pack.flux_core.checkpoint import FLUX1_DEV, expected_shapes
+    h, pos = {}, 0
+    for k, shape in expected_shapes(FLUX1_DEV).items():
+        n = 2 * math.prod(shape)
+        h[k] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    return h
+
+
+def _prefix(header):
+    for p in ("model.diffusion_model.", "diffusion_model.", "model."):
+        if p + "img_in.weight" in header:
+            return p
+    return ""
+
+
+def family_plan(header, fam):
+    """The tensors of a family member's file, made from --weights' own tensors (its header ``header``):
+    [(name, dtype, shape, how)], ``how`` a --weights tensor name (copied byte for byte) or a new tensor
+    -- ("randn", std), ("randn_ref", name, scale): std that of --weights' tensor ``name`` times
+    ``scale``, ("fill_img_in", name): --weights' img_in widened to FILL_IN features (the new ones random
+    at img_in's std).  So a full-size and a tiny (run.py --write-model --comfy-min) --weights both work.
+
+    schnell: every tensor but ``guidance_in.*`` (ComfyUI's model_detection then picks FluxSchnell);
+    fill: ``img_in.weight`` [hidden, 384] (in_channels 96: FluxInpaint); cn: an XLabs-layout FLUX
+    ControlNet (ComfyUI's ``load_controlnet_flux_xlabs_mistoline``: FLUX's own key names, no prefix) --
+    the embedders and CN_DEPTH double blocks of --weights, controlnet_blocks, pos_embed_input and the
+    hint encoder (input_hint_block: 8 3x3 convolutions, 3 of stride 2, image -> 16 x res/8)."""
+    pre = _prefix(header)
+    if pre + "img_in.weight" not in header:
+        raise ValueError("no img_in.weight: not a FLUX.1 checkpoint")
+    hidden, pin = header[pre + "img_in.weight"]["shape"]
+    dt = header[pre + "img_in.weight"]["dtype"]
+    if fam == "schnell":
+        return [(k, v["dtype"], v["shape"], k) for k, v in header.items() if not k.startswith(pre + "guidance_in.")]
+    if fam == "fill":
+        return [(k, v["dtype"], [hidden, FILL_IN], ("fill_img_in", k)) if k == pre + "img_in.weight" else
+                (k, v["dtype"], v["shape"], k) for k, v in header.items()]
+    if fam != "cn":
+        raise ValueError(f"no weight file of its own for {fam!r}")
+    out = [(k[len(pre):], v["dtype"], v["shape"], k) for k, v in header.items() if k.startswith(pre) and
+           k[len(pre):].split(".")[0] in ("img_in", "time_in", "vector_in", "guidance_in", "txt_in")]
+    blocks = [re.match(re.escape(pre) + r"double_blocks\.(\d+)\.", k) for k in header]
+    depth = 1 + max(int(m.group(1)) for m in blocks if m)
+    ref = pre + "double_blocks.0.img_attn.proj.weight"
+    for i in range(CN_DEPTH):
+        src = f"{pre}double_blocks.{i % depth}."
+        out += [(f"double_blocks.{i}." + k[len(src):], v["dtype"], v["shape"], k) for k, v in header.items()
+                if k.startswith(src)]
+        out.append((f"controlnet_blocks.{i}.weight", dt, [hidden, hidden], ("randn_ref", ref, 0.1)))
+        out.append((f"controlnet_blocks.{i}.bias", dt, [hidden], ("randn", 0.0)))
+    out.append(("pos_embed_input.weight", dt, [hidden, pin], ("randn_ref", pre + "img_in.weight", 1.0)))
+    out.append(("pos_embed_input.bias", dt, [hidden], ("randn", 0.0)))
+    for j in range(8):
+        cin = 3 if j == 0 else 16
+        out.append((f"input_hint_block.{2 * j}.weight", dt, [16, cin, 3, 3], ("randn", (9 * cin) ** -0.5)))
+        out.append((f"input_hint_block.{2 * j}.bias", dt, [16], ("randn", 0.01)))
+    return out
+
+
+def plan_bytes(plan):
+    return sum(_ITEMSIZE[dt] * math.prod(shape) for _, dt, shape, _ in plan)
+
+
+def _family_file_ok(path, plan):
+    """An existing member file with exactly the plan's tensors (names, dtypes, shapes) is kept."""
+    try:
+        h = _st_header(path)[0]
+    except (OSError, ValueError, struct.error):
+        return False
+    return {k: (v["dtype"], list(v["shape"])) for k, v in h.items()} == {n: (dt, list(s)) for n, dt, s, _ in plan}
+
+
+def _copy_range(fi, fo, start, n):
+    """n bytes of fi from ``start`` appended to fo (in-kernel copy_file_range where the file system
+    has it, else 64 MiB reads)."""
+    fo.flush()
+    if hasattr(os, "copy_file_range"):
+        try:
+            done = 0
+            while done < n:
+                k = os.copy_file_range(fi.fileno(), fo.fileno(), n - done, start + done)
+                if k <= 0:
+                    break
+                done += k
+            fo.seek(0, os.SEEK_END)
+            if done == n:
+                return
+            start, n = start + done, n - done
+        except OSError:
+            fo.seek(0, os.SEEK_END)
+    fi.seek(start)
+    while n:
+        b = fi.read(min(n, 1 << 26))
+        if not b:
+            raise OSError("source file ended early")
+        fo.write(b)
+        n -= len(b)
+
+
+def write_family(weights, fam, seed=2):
+    """A family member's weights (``family_plan``) written next to ``weights`` unless a file with the same
+    tensors is there: --weights' tensors copied byte for byte, the new ones generated on the GPU (CPU
+    without one), one tensor at a time (no whole model in host memory).  The path, or None if kept."""
+    import torch
+    path = family_file(weights, fam)
+    header, data0 = _st_header(weights)
+    plan = family_plan(header, fam)
+    if os.path.exists(path) and _family_file_ok(path, plan):
+        return None
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(seed + FAMILIES.index(fam))
+
+    def stored(fi, name):
+        v = header[name]
+        a, b = v["data_offsets"]
+        fi.seek(data0 + a)
+        return torch.frombuffer(bytearray(fi.read(b - a)), dtype=dtypes[v["dtype"]]).reshape(v["shape"])
+
+    def randn(shape, std):
+        return torch.randn(shape, generator=g, device=dev, dtype=torch.float32) * std
+
+    hdr, pos = {}, 0
+    for name, dt, shape, _ in plan:
+        n = _ITEMSIZE[dt] * math.prod(shape)
+        hdr[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    hb = json.dumps(hdr, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(weights, "rb") as fi, open(path + ".tmp", "wb") as fo:
+        fo.write(struct.pack("<Q", len(hb)) + hb)
+        for name, dt, shape, how in plan:
+            if isinstance(how, str):
+                a, b = header[how]["data_offsets"]
+                _copy_range(fi, fo, data0 + a, b - a)
+                continue
+            if how[0] == "fill_img_in":
+                old = stored(fi, how[1]).float()
+                t = torch.cat([old.to(dev), randn([shape[0], shape[1] - old.shape[1]], old.std().item())], dim=1)
+            elif how[0] == "randn_ref":
+                t = randn(shape, stored(fi, how[1]).float().std().item() * how[2])
+            else:
+                t = randn(shape, how[1])
+            t = t.to(dtypes[dt]).cpu().contiguous()
+            fo.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    os.replace(path + ".tmp", path)
+    return path
+
+
 MAKE_VAE = r'''
 import sys
 ROOT, OUT = sys.argv[1], sys.argv[2]
@@ -552,6 +786,48 @@ def decode_graph(case, res, seed, vae):
     return g
 
 
+BASES = ("stock", "patched", "patched_fast", "patched_fast_cached", "easycache", "lazycache", "stock_easycache",
+         "stock_lazycache", "stock_cudnn", "stock_flash")
+PATCHED_BASES = ("patched", "patched_fast", "patched_fast_cached", "easycache", "lazycache")
+CASE_GRAMMAR = ("one of " + ", ".join(BASES) + " (or " + ", ".join(VAE_CASES) + ") with optional suffixes _t<x> "
+                "(cache cases), _sdpa, _eager, _fp8, _lora[b][<strength>] in that order, and family members "
+                + ", ".join("_" + f for f in FAMILIES) + " anywhere after the base (not _schnell with _fill)")
+
+
+def parse_case(case):
+    """A case name read into its parts, or ValueError (one line: why) for a name graph() does not know:
+    {base, families (FAMILIES order), lora (the suffix), lora_before, lora_strength, fp8, eager, sdpa,
+    threshold}.  Family suffixes may stand anywhere after the base (stock_schnell_fp8 =
+    stock_fp8_schnell); the other suffixes in the order base[_t<x>][_sdpa][_eager][_fp8][_lora...]."""
+    if case in VAE_CASES:
+        return {"base": case, "families": (), "vae": True}
+    found = FAMILY_RE.findall(case)
+    if len(found) != len(set(found)):
+        raise ValueError(f"case {case!r}: a family suffix twice")
+    if "schnell" in found and "fill" in found:
+        raise ValueError(f"case {case!r}: _schnell and _fill are two checkpoints; one of them per case")
+    rest = FAMILY_RE.sub("", case)
+    try:
+        rest, lora, lora_before, lora_strength = split_lora(rest)
+    except ValueError:
+        raise ValueError(f"case {case!r}: a LoRA strength that is no number") from None
+    out = {"families": tuple(f for f in FAMILIES if f in found), "lora": lora, "lora_before": lora_before,
+           "lora_strength": lora_strength, "vae": False}
+    for flag in ("fp8", "eager", "sdpa"):
+        out[flag] = rest.endswith("_" + flag)
+        rest = rest[: -len(flag) - 1] if out[flag] else rest
+    thr = re.fullmatch(r"(.*cache)_t([0-9.]+)", rest)  # easycache_t1.0: EasyCache with reuse_threshold 1.0
+    try:
+        out["threshold"] = float(thr.group(2)) if thr else 0.2
+    except ValueError:
+        raise ValueError(f"case {case!r}: a cache threshold _t<x> that is no number") from None
+    rest = thr.group(1) if thr else rest
+    if rest not in BASES:
+        raise ValueError(f"unknown case {case!r}: a case is {CASE_GRAMMAR}")
+    out["base"] = rest
+    return out
+
+
 def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", stock_vae=False):
     """API prompt for one case: stock | patched | patched_fast (profile fast) | patched_fast_cached
     (profile fast-cached) | easycache | lazycache | stock_easycache | stock_lazycache; a case ending in
@@ -561,31 +837,57 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     ``stock_cudnn`` / ``stock_flash``: stock with SDPA's cuDNN / FLASH backend first (controls for image
     agreement: what a change of attention backend alone does); ``vae_*``: decode-only (``decode_graph``);
     a cache case ending in ``_t<x>`` (``easycache_t1.0``) sets the cache node's reuse_threshold to x
-    (default 0.2, the node's own)."""
+    (default 0.2, the node's own); ``_lora[b][<strength>]``: a random LoRA after (``_lorab``: before) the patch.
+
+    FLUX.1 family members, as suffixes anywhere after the base (``parse_case``; stock_schnell,
+    patched_schnell, patched_fast_cached_kontext, patched_fill_fp8, stock_kontext_cn ...):
+
+    * ``_schnell``: FLUX.1-schnell -- UNETLoader of ``<unet stem>_schnell.safetensors`` (--weights without
+      ``guidance_in``: ComfyUI detects FluxSchnell), SCHNELL_STEPS (4) steps whatever ``steps`` says
+      (euler, simple, cfg 1 as every case).
+    * ``_kontext``: a FLUX.1 Kontext-style reference image -- a seeded random image (res x res) ->
+      VAEEncode -> ReferenceLatent on the positive conditioning (the dev weights: the reference
+      latent's tokens join the image tokens, twice the sequence).
+    * ``_fill``: FLUX.1 Fill -- UNETLoader of ``<unet stem>_fill.safetensors`` (img_in [hidden, 384]:
+      FluxInpaint), InpaintModelConditioning (positive, negative, the VAE, a seeded random image, a mask
+      of its lower half, noise_mask) whose latent goes into the KSampler.
+    * ``_redux``: FLUX.1 Redux's longer context -- FluxNumbaBenchConditioning with 256 + 729 tokens.  A
+      stand-in for the token count StyleModelApply gives (729 SigLIP image tokens appended to the T5
+      context), not the style model: no CLIP vision, no Redux weights.
+    * ``_cn``: a FLUX ControlNet -- ControlNetLoader of ``<unet stem>_cn.safetensors`` (a random
+      XLabs-layout ControlNet, CN_DEPTH double blocks, in models/controlnet), ControlNetApplyAdvanced
+      (strength 0.7, 0 -> 1) with a seeded random hint image on both conditionings.
+
+    Conditioning order where several combine: ReferenceLatent, then ControlNet, then
+    InpaintModelConditioning.  In patched cases VAEEncode / InpaintModelConditioning take the same VAE
+    as VAEDecode (FluxNumbaVAEPatch's clone; its encoder is ComfyUI's).  The reference / picture / hint
+    images have fixed seeds (as a user re-running with a new noise seed keeps them); ComfyUI's cache
+    re-encodes them only when the VAE input changes (so an interleaved stock / patched pair encodes in
+    every prompt, as a decode does)."""
     if case in VAE_CASES:
         return decode_graph(case, res, seed, vae)
     name = prefix + case  # the SaveImage prefix: the case's full name (image_psnr pairs files by it)
-    case, lora, lora_before, lora_strength = split_lora(case)
-    fp8 = case.endswith("_fp8")
-    case = case[: -len("_fp8")] if fp8 else case
-    eager = case.endswith("_eager")  # cuda_graph off: every block eager (the host path's own cost)
-    case = case[: -len("_eager")] if eager else case
-    sdpa = case.endswith("_sdpa")  # the pack with ComfyUI's own attention call
-    case = case[: -len("_sdpa")] if sdpa else case
-    thr = re.fullmatch(r"(.*cache)_t([0-9.]+)", case)  # easycache_t1.0: EasyCache with reuse_threshold 1.0
-    threshold = float(thr.group(2)) if thr else 0.2
-    case = thr.group(1) if thr else case
-    control = {"stock_cudnn": "cudnn", "stock_flash": "flash"}.get(case)
-    patched = case in ("patched", "patched_fast", "patched_fast_cached", "easycache", "lazycache")
-    profile = {"patched_fast": "fast", "patched_fast_cached": "fast-cached"}.get(case, "exact")
+    c = parse_case(case)
+    fams, base = c["families"], c["base"]
+    lora, lora_before, lora_strength = c["lora"], c["lora_before"], c["lora_strength"]
+    eager, sdpa = c["eager"], c["sdpa"]  # eager: cuda_graph off, every block eager (the host path's own cost)
+    control = {"stock_cudnn": "cudnn", "stock_flash": "flash"}.get(base)
+    patched = base in PATCHED_BASES
+    profile = {"patched_fast": "fast", "patched_fast_cached": "fast-cached"}.get(base, "exact")
+    unet_name = (family_file(unet, "schnell") if "schnell" in fams else
+                 family_file(unet, "fill") if "fill" in fams else unet)
+    if "schnell" in fams:
+        steps = SCHNELL_STEPS
     g = {
-        "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": unet,
-                                                        "weight_dtype": "fp8_e4m3fn" if fp8 else "default"}},
-        "cond": {"class_type": "FluxNumbaBenchConditioning", "inputs": {"seed": 3, "tokens": 256,
-                                                                        "context_dim": cond_dims[0], "pooled_dim": cond_dims[1]}},
-        "lat": {"class_type": "EmptySD3LatentImage", "inputs": {"width": res, "height": res, "batch_size": 1}},
+        "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name,
+                                                        "weight_dtype": "fp8_e4m3fn" if c["fp8"] else "default"}},
+        "cond": {"class_type": "FluxNumbaBenchConditioning", "inputs": {
+            "seed": 3, "tokens": 256 + (REDUX_TOKENS if "redux" in fams else 0),
+            "context_dim": cond_dims[0], "pooled_dim": cond_dims[1]}},
         "vae": {"class_type": "VAELoader", "inputs": {"vae_name": vae}},
     }
+    if "fill" not in fams:
+        g["lat"] = {"class_type": "EmptySD3LatentImage", "inputs": {"width": res, "height": res, "batch_size": 1}}
     model = ["unet", 0]
     vae_ref = ["vae", 0]
     if control:
@@ -610,23 +912,86 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     if lora and patched and not lora_before:  # LoRA after the patch: a clone of the patched model
         model = with_lora(model)
     cache = {"easycache": "EasyCache", "stock_easycache": "EasyCache",
-             "lazycache": "LazyCache", "stock_lazycache": "LazyCache"}.get(case)
+             "lazycache": "LazyCache", "stock_lazycache": "LazyCache"}.get(base)
     if cache:
-        g["cache"] = {"class_type": cache, "inputs": {"model": model, "reuse_threshold": threshold, "start_percent": 0.15,
-                                                      "end_percent": 0.95, "verbose": False}}
+        g["cache"] = {"class_type": cache, "inputs": {"model": model, "reuse_threshold": c["threshold"],
+                                                      "start_percent": 0.15, "end_percent": 0.95, "verbose": False}}
         model = ["cache", 0]
+    pos = neg = ["cond", 0]
+    latent = ["lat", 0]
+    if "kontext" in fams:
+        g["ref_img"] = {"class_type": "FluxNumbaBenchImage", "inputs": {"seed": 5, "width": res, "height": res}}
+        g["ref_enc"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["ref_img", 0], "vae": vae_ref}}
+        g["ref"] = {"class_type": "ReferenceLatent", "inputs": {"conditioning": pos, "latent": ["ref_enc", 0]}}
+        pos = ["ref", 0]
+    if "cn" in fams:
+        g["cn"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": family_file(unet, "cn")}}
+        g["cn_img"] = {"class_type": "FluxNumbaBenchImage", "inputs": {"seed": 6, "width": res, "height": res}}
+        g["cn_apply"] = {"class_type": "ControlNetApplyAdvanced", "inputs": {
+            "positive": pos, "negative": neg, "control_net": ["cn", 0], "image": ["cn_img", 0],
+            "strength": CN_STRENGTH, "start_percent": 0.0, "end_percent": 1.0}}
+        pos, neg = ["cn_apply", 0], ["cn_apply", 1]
+    if "fill" in fams:
+        g["fill_img"] = {"class_type": "FluxNumbaBenchImage", "inputs": {"seed": 4, "width": res, "height": res}}
+        g["fill_mask"] = {"class_type": "FluxNumbaBenchMask", "inputs": {"width": res, "height": res}}
+        g["inpaint"] = {"class_type": "InpaintModelConditioning", "inputs": {
+            "positive": pos, "negative": neg, "vae": vae_ref, "pixels": ["fill_img", 0], "mask": ["fill_mask", 0],
+            "noise_mask": True}}
+        pos, neg, latent = ["inpaint", 0], ["inpaint", 1], ["inpaint", 2]
     g["ks"] = {"class_type": "KSampler", "inputs": {
         "model": model, "seed": seed, "steps": steps, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
-        "positive": ["cond", 0], "negative": ["cond", 0], "latent_image": ["lat", 0], "denoise": 1.0}}
+        "positive": pos, "negative": neg, "latent_image": latent, "denoise": 1.0}}
     g["dec"] = {"class_type": "VAEDecode", "inputs": {"samples": ["ks", 0], "vae": vae_ref}}
     g["save"] = {"class_type": "SaveImage", "inputs": {"images": ["dec", 0], "filename_prefix": name}}
     return g
 
 
+def stock_partner(case, cases):
+    """The case in ``cases`` whose images ``case``'s are compared with: the plain stock case of the same
+    family members, fp8-ness and LoRA (``_lorab`` as ``_lora``, same strength) -- stock_fp8 for *_fp8,
+    stock_schnell for patched_schnell, stock_lora for patched_lorab; None if there is none (or
+    ``case`` is it, or a decode-only case)."""
+    def key(c):
+        try:
+            p = parse_case(c)
+        except ValueError:
+            return None
+        if p["vae"]:
+            return None
+        return p["fp8"], p["families"], p["lora"].replace("_lorab", "_lora")
+    k = key(case)
+    if k is None:
+        return None
+    for c in cases:
+        if key(c) == k:
+            p = parse_case(c)
+            if p["base"] == "stock" and not p["eager"] and not p["sdpa"]:
+                return None if c == case else c
+    return None
+
+
+def run_order(cases, repeat, interleave):
+    """[(case, run index)] in the order the prompts are queued.  --interleave: run by run, each case
+    once per round -- within each checkpoint's group of cases (--weights, its _schnell, its _fill
+    file; groups in the order of their first case): ComfyUI holds one of these 24 GB models on the
+    GPU at a time, so a round over cases of several checkpoints would put a model load (seconds)
+    into the first case after each switch; grouped, only each group's run 1 (left out of the medians
+    over runs 2..N) pays it.  Cases of one checkpoint keep the plain interleaved order.  Without
+    --interleave: each case's runs in a row."""
+    if not interleave:
+        return [(c, i) for c in cases for i in range(repeat)]
+    groups = {}
+    for c in cases:
+        fams = () if c in VAE_CASES else parse_case(c)["families"]
+        groups.setdefault("schnell" if "schnell" in fams else "fill" if "fill" in fams else "", []).append(c)
+    return [(c, i) for grp in groups.values() for i in range(repeat) for c in grp]
+
+
 def image_psnr(out_dir, cases, interleaved):
     """PSNR (dB, 8-bit PNGs) of each case's images against the stock case's image of the same run
-    index (the same seed): {case: [dB per run]}.  Stock is ``stock`` for bf16 cases and ``stock_fp8``
-    for ``*_fp8`` ones; cases without a stock partner in the run are left out."""
+    index (the same seed): {case: [dB per run]}.  The stock case is ``stock_partner``'s: ``stock`` for
+    bf16 cases, ``stock_fp8`` for ``*_fp8`` ones, ``stock_schnell`` for ``patched_schnell`` (the same
+    family members, fp8-ness and LoRA); cases without a stock partner in the run are left out."""
     try:
         import numpy as np
         from PIL import Image
@@ -640,9 +1005,8 @@ def image_psnr(out_dir, cases, interleaved):
         return {}
     res = {}
     for case in cases:
-        base, lora = split_lora(case)[:2]
-        ref = ("stock_fp8" if base.endswith("_fp8") else "stock") + lora.replace("_lorab", "_lora")
-        if case == ref or ref not in cases or case in VAE_CASES:
+        ref = stock_partner(case, cases)
+        if ref is None:
             continue
         out = []
         for fa, fb in zip(files(case), files(ref)):
@@ -747,15 +1111,66 @@ def comfy_version(comfy):
     return ns.get("__version__", "?")
 
 
+def family_files_needed(cases):
+    """The family members with weights of their own (FAMILY_FILES order) that ``cases`` use."""
+    fams = {f for c in cases for f in parse_case(c)["families"]}
+    return [f for f in FAMILY_FILES if f in fams]
+
+
+def weights_room(weights, cases):
+    """Where family members' files are needed: why the weight files still to be written (--weights,
+    the members' files next to it) do not fit in --weights' folder (one line), or None.  A full-size
+    schnell or fill file is as large as FLUX.1-dev (~24 GB; the ControlNet ~1.5 GB)."""
+    fams = family_files_needed(cases)
+    if not fams:
+        return None
+    todo = not os.path.exists(weights)
+    try:
+        header = _st_header(weights)[0] if os.path.exists(weights) else _dev_header()
+    except Exception:  # no torch here, or --weights is no safetensors file: the writers say why, later
+        return None
+    need, what = 0, []
+    if todo:
+        need += max((v["data_offsets"][1] for v in header.values()), default=0)
+        what.append(os.path.basename(weights))
+    for f in fams:
+        path = family_file(weights, f)
+        try:
+            plan = family_plan(header, f)
+        except ValueError:
+            continue
+        if not (os.path.exists(path) and _family_file_ok(path, plan)):
+            need += plan_bytes(plan)
+            what.append(os.path.basename(path))
+    folder = os.path.dirname(os.path.abspath(weights))
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    if need and need > free:
+        return (f"argument --weights: {need / 1e9:.1f} GB of random weights to write into {folder} "
+                f"({', '.join(what)}), {free / 1e9:.1f} GB free there: --weights in a larger folder, fewer of "
+                f"_schnell / _fill in one call, or --drop-family-files in the call before")
+    return None
+
+
 def check_args(p, a, flag_sets, cases):
     """One line and exit 2, before anything is written or started: a --comfy that is not a ComfyUI
-    tree, or no CUDA GPU where one is needed (the random weights are generated on the GPU; a server
+    tree, a case graph() does not know (``parse_case``), weight files that do not fit in --weights'
+    folder (``weights_room``), or no CUDA GPU where one is needed (the random weights are generated on the GPU; a server
     runs on it unless its flag set has --cpu, as in a CPU smoke test with --weights of an existing file)."""
     def fail(msg):
         p.exit(2, f"gpu_server.py: error: {msg}\n")
     for comfy in a.comfy:
         if not os.path.isfile(os.path.join(comfy, "main.py")):
             fail(f"argument --comfy: no ComfyUI tree at {comfy!r}: no main.py there")
+    if not cases:
+        fail("argument --cases: no case")
+    for case in cases:
+        try:
+            parse_case(case)
+        except ValueError as e:
+            fail(f"argument --cases: {e}")
     need = []
     if not all(c in VAE_CASES for c in cases) and not os.path.exists(a.weights):
         need.append(f"the random FLUX.1-dev weights ({a.weights}) are generated on it")
@@ -773,6 +1188,9 @@ def check_args(p, a, flag_sets, cases):
             fail(f"torch does not import here ({e}): {need[0]}")
         if not torch.cuda.is_available():
             fail(f"no CUDA GPU (torch sees none): {need[0]}")
+    room = weights_room(a.weights, cases)
+    if room:
+        fail(room)
 
 
 def main():
@@ -781,14 +1199,16 @@ def main():
     p.add_argument("--flags", action="append", default=None,
                    help='extra main.py flags for one server, e.g. "--highvram" (repeatable; "" = defaults)')
     p.add_argument("--cases", default="stock,patched", help="comma list: stock, patched, easycache, lazycache, "
-                   "stock_easycache, stock_lazycache")
+                   "stock_easycache, stock_lazycache, ... (graph()); FLUX.1 family members as suffixes: _schnell, "
+                   "_kontext, _fill, _redux, _cn (stock_schnell,patched_schnell,stock_fill,patched_fill ...)")
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--res", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=2, help="runs per case; the last one is reported")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=False,
-                   help="alternate the cases run by run (drift hits all alike); the table then also gives each "
-                   "case's median over runs 2..N (--no-interleave: each case's runs in a row -- a later run of a "
-                   "case then shows its speed without a switch of weights or LoRA before it)")
+                   help="alternate the cases run by run (drift hits all alike; cases of one checkpoint -- dev, "
+                   "_schnell, _fill -- together: run_order); the table then also gives each case's median over "
+                   "runs 2..N (--no-interleave: each case's runs in a row -- a later run of a case then shows its "
+                   "speed without a switch of weights or LoRA before it)")
     p.add_argument("--weights", default="/dev/shm/flux1_dev_random.safetensors")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--json", help="write all results here")
@@ -801,6 +1221,9 @@ def main():
                    "function), torch (GPU busy share, idle gaps), trace (host + GPU timeline, chrome trace .json.gz)")
     p.add_argument("--stock-vae", action="store_true", help="patched cases decode with ComfyUI's own VAE (no "
                    "FluxNumbaVAEPatch): the images' PSNR vs stock then measures the FLUX model's path alone")
+    p.add_argument("--drop-family-files", action="store_true", help="at the end remove the family members' "
+                   "weight files this call used (_schnell / _fill / _cn next to --weights): room in /dev/shm for "
+                   "the next call's")
     p.add_argument("--cond-dims", default="4096,768", help="text context / pooled widths (a CPU smoke test with "
                    "run.py --write-model --comfy-min weights uses that model's)")
     a = p.parse_args()
@@ -822,6 +1245,13 @@ def main():
     lora_path = os.path.join(os.path.dirname(a.weights), LORA_FILE)
     if any("_lora" in c for c in cases):
         write_lora(lora_path)
+    fam_paths = {}
+    for fam in family_files_needed(cases):
+        t1 = time.time()
+        fam_paths[fam] = family_file(a.weights, fam)
+        wrote = write_family(a.weights, fam)
+        print(f"[bench] {fam}: {'wrote' if wrote else 'kept'} {fam_paths[fam]} "
+              f"({os.path.getsize(fam_paths[fam]) / 1e9:.2f} GB, {time.time() - t1:.1f} s)", flush=True)
     write_vae(vae_path, a.python, a.comfy[0], env)
     print(f"[bench] weights ready ({time.time() - t:.1f} s)", flush=True)
 
@@ -845,9 +1275,12 @@ def main():
                 os.makedirs(prof_dir, exist_ok=True)
                 with open(os.path.join(cn, "flux_numba_bench_profile.py"), "w") as f:
                     f.write(PROFILE_NODE)
-            for sub, src in (("diffusion_models", a.weights), ("vae", vae_path), ("loras", lora_path)):
-                os.makedirs(os.path.join(base, "models", sub))
-                if os.path.exists(src):
+            for sub, src in (("diffusion_models", a.weights), ("vae", vae_path), ("loras", lora_path),
+                             ("diffusion_models", fam_paths.get("schnell", "")),
+                             ("diffusion_models", fam_paths.get("fill", "")),
+                             ("controlnet", fam_paths.get("cn", ""))):
+                os.makedirs(os.path.join(base, "models", sub), exist_ok=True)
+                if src and os.path.exists(src):
                     os.symlink(src, os.path.join(base, "models", sub, os.path.basename(src)))
             rec = {"comfyui": ver, "tree": comfy, "flags": flags, "cases": {}}
             results.append(rec)
@@ -863,8 +1296,7 @@ def main():
                 continue
             rec["start_s"] = round(time.time() - t0, 1)
             alive = True
-            order = ([(c, i) for i in range(a.repeat) for c in cases] if a.interleave
-                     else [(c, i) for c in cases for i in range(a.repeat)])
+            order = run_order(cases, a.repeat, a.interleave)
             all_runs = {c: [] for c in cases}
             for case, i in order:
                 runs = all_runs[case]
@@ -942,15 +1374,22 @@ def main():
                     f.write(log[-400000:])
             if not alive:
                 rows.append((ver, flags or "(default)", "-", "SERVER DIED", "", "", ""))
+    if a.drop_family_files:
+        for path in fam_paths.values():
+            try:
+                os.remove(path)
+            except OSError:
+                pass
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
     for rec in results:
         for ln in rec.get("log_lines", [])[:25]:
             print(f"[log {rec['comfyui']} {rec['flags'] or 'default'}] {ln[:220]}")
-    print(f"\n{'ComfyUI':8} {'flags':22} {'case':16} {'s/image':>8} {'first':>7} {'peakGB':>7}  note")
+    cw = max([16] + [len(r[2]) for r in rows])  # the case column: as wide as the longest name
+    print(f"\n{'ComfyUI':8} {'flags':22} {'case':{cw}} {'s/image':>8} {'first':>7} {'peakGB':>7}  note")
     for r in rows:
-        print(f"{r[0]:8} {r[1]:22} {r[2]:16} {r[3]:>8} {r[4]:>7} {r[5]:>7}  {r[6]}")
+        print(f"{r[0]:8} {r[1]:22} {r[2]:{cw}} {r[3]:>8} {r[4]:>7} {r[5]:>7}  {r[6]}")
     for rec in results:
         for case, pr in rec.get("profile", {}).items():
             print(f"profile {rec['comfyui']} {rec['flags'] or '(default)'} {case}: wall {pr['wall_s']:.2f} s, "
