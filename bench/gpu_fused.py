@@ -41,7 +41,7 @@ import _pack  # noqa: E402
 _pack.load()
 import _rows_common as RC  # noqa: E402  (bench/, beside this script)
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
-from flux_numba_pack.cuda_kernels import intrinsics as ik  # noqa: E402
+from flux_numba_pack.cuda_kernels import launching  # noqa: E402
 from flux_numba_pack.cuda_kernels import ln_modulate as LM, gated_residual as GR  # noqa: E402
 from flux_numba_pack.cuda_kernels import gelu_tanh as GT, qk_norm_rope as QK  # noqa: E402
 
@@ -285,7 +285,7 @@ class Variant:
 
     def __enter__(self):
         self.saved = {m: _swap_launchers(m) for m in (LM, GR, GT, QK)}
-        self.knobs = (ik.FORCE_VW1, dict(LM.NW_FOR), dict(GT.NW_FOR), QK.MAX_THREADS, dict(QK.LB),
+        self.knobs = (launching.FORCE_VW1, dict(LM.NW_FOR), dict(GT.NW_FOR), QK.MAX_THREADS, dict(QK.LB),
                       dict(LM.LATE_VEC), dict(LM.PIPE_BLOCKS))
         self.setup()
         QK._threads.cache_clear()
@@ -293,7 +293,7 @@ class Variant:
     def __exit__(self, *exc):
         for m, la in self.saved.items():
             m._launchers = la
-        ik.FORCE_VW1 = self.knobs[0]
+        launching.FORCE_VW1 = self.knobs[0]
         LM.NW_FOR.clear(); LM.NW_FOR.update(self.knobs[1])  # noqa: E702
         GT.NW_FOR.clear(); GT.NW_FOR.update(self.knobs[2])  # noqa: E702
         QK.MAX_THREADS = self.knobs[3]
@@ -306,7 +306,7 @@ class Variant:
 def _set(**kw):
     def f():
         if "vw1" in kw:
-            ik.FORCE_VW1 = True
+            launching.FORCE_VW1 = True
         if "late" in kw:
             LM.LATE_VEC.update({0: bool(kw["late"]), 1: bool(kw["late"])})
         if "pipe" in kw:
@@ -411,16 +411,16 @@ def host_breakdown():
             b.check(*args, **kwargs)
         t_check = (time.perf_counter() - t0) / 200 * 1e6
         captured = []
-        orig = ik.Launcher.__call__
+        orig = launching.Launcher.__call__
 
         def cap(self, *a):
             captured.append((self, a))
             return orig(self, *a)
-        ik.Launcher.__call__ = cap
+        launching.Launcher.__call__ = cap
         try:
             b.fn(*args, **kwargs)
         finally:
-            ik.Launcher.__call__ = orig
+            launching.Launcher.__call__ = orig
         la, a = captured[0]
         t_launch = host_time_us(lambda: la(*a))
         note(cs["name"] + " host breakdown", call_us=round(t_call, 1), fn_us=round(t_fn, 1), check_us=round(t_check, 1),
@@ -449,7 +449,7 @@ def slow_launcher_host():
 
 
 def main():
-    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}, fast launch {ik._FAST_OK}", flush=True)
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}, fast launch {launching._FAST_OK}", flush=True)
     torch.manual_seed(0)
     for cs in make_cases():
         try:

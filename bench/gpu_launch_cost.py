@@ -5,7 +5,7 @@ A tiny kernel with the argument pattern of the pack's row kernels (five 2-D tens
 float32) is launched N times back to back; the GPU work is a few microseconds, so the loop's wall
 time per launch is the host cost.  Routes:
   numba       ``kernel[grid, block, stream](*arrays)`` (numba's dispatcher, arguments typed per call)
-  launcher    the pack's ``intrinsics.Launcher`` (parameters from the tensors; its prepared launch)
+  launcher    the pack's ``launching.Launcher`` (parameters from the tensors; its prepared launch)
   launcher/core  the same with ``PREPARED`` off (cuda.core's launch, the route before)
   params      the launcher's parameter building alone (no launch)
   cuda.core   cuda.core's ``launch`` on parameters built once (the launch alone)
@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_kernel():
-    from flux_numba_pack.cuda_kernels import intrinsics as ik
+    from flux_numba_pack.cuda_kernels.jit import jit_kernel
     from numba import cuda
 
     def k(a, b, c, d, out, n, f):
@@ -38,7 +38,7 @@ def make_kernel():
             r = i // a.shape[1]
             col = i - r * a.shape[1]
             out[r, col] = (a[r, col] + b[r, col] + c[r, col] + d[r, col]) * f
-    return ik.jit_kernel(k)
+    return jit_kernel(k)
 
 
 def main():
@@ -50,7 +50,7 @@ def main():
     _pack.load()
     import torch
     import numpy as np
-    from flux_numba_pack.cuda_kernels import intrinsics as ik, runtime
+    from flux_numba_pack.cuda_kernels import launching, runtime
     from numba import cuda
     from cuda.bindings import driver as drv
 
@@ -61,29 +61,29 @@ def main():
     n, f = R * C, np.float32(0.5)
     ref = (ts[0] + ts[1] + ts[2] + ts[3]) * 0.5
     grid, block = (1, 1, 1), (256, 1, 1)
-    la = ik.Launcher(make_kernel)
+    la = launching.Launcher(make_kernel)
     args = (*ts, out, n, f)
     la(grid, block, *args)
     torch.cuda.synchronize()
     assert torch.allclose(out, ref), "launcher result"
 
     assert type(next(h for h in la._fast.values() if h)).__name__ == "_Prepared", "the launcher's default: prepared"
-    ik.PREPARED = False  # the same launcher through cuda.core's launch (the route before prepared launches)
-    la_core = ik.Launcher(make_kernel)
+    launching.PREPARED = False  # the same launcher through cuda.core's launch (the route before prepared launches)
+    la_core = launching.Launcher(make_kernel)
     out.zero_()
     la_core(grid, block, *args)
     torch.cuda.synchronize()
-    ik.PREPARED = True
+    launching.PREPARED = True
     assert torch.allclose(out, ref), "launcher (cuda.core) result"
 
     # the compiled handle, parameters as the cuda.core route builds them
     handle = next(h for h in la_core._fast.values() if h)
-    kern = la.dispatcher().compile(ik.signature(args))
+    kern = la.dispatcher().compile(launching.signature(args))
     cufunc = kern._codelibrary.get_cufunc()
 
     def params_of(args):
-        return ik._param_values(args, ctypes.c_float)
-    cfg = ik._launch_config(grid, block)
+        return launching._param_values(args, ctypes.c_float)
+    cfg = launching._launch_config(grid, block)
     fixed = params_of(args)
 
     # prepared: one buffer, one void** array
@@ -103,7 +103,7 @@ def main():
     ptrs_addr = ctypes.addressof(ptrs)
 
     def prepared(*args):
-        st.pack_into(buf, 0, *ik._param_values(args, float))
+        st.pack_into(buf, 0, *launching._param_values(args, float))
         err, = drv.cuLaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, drv.CUstream(runtime._raw_stream()), ptrs_addr, 0)
         if err != drv.CUresult.CUDA_SUCCESS:
             raise RuntimeError(err)
@@ -128,7 +128,7 @@ def main():
         "launcher": lambda: la(grid, block, *args),
         "launcher/core": lambda: la_core(grid, block, *args),
         "params": lambda: params_of(args),
-        "cuda.core": lambda: ik._cuda_launch(runtime.stream(), cfg, handle, *fixed),
+        "cuda.core": lambda: launching._cuda_launch(runtime.stream(), cfg, handle, *fixed),
         "prepared": lambda: prepared(*args),
         "torch": lambda: torch.add(ts[0], ts[1], out=out),
     }

@@ -56,7 +56,7 @@ if PTX:        # compile for sm_90 without a GPU (as bench/ptx_hash_attention.py
     import numba.cuda.dispatcher as _disp
     _disp.get_current_device = lambda: _types.SimpleNamespace(compute_capability=(9, 0))
 from numba import cuda, float32, int32, int64  # noqa: E402  (module global `cuda`: the simulator swaps it)
-from flux_numba_pack.cuda_kernels import intrinsics as ik, mma as _mma, runtime  # noqa: E402
+from flux_numba_pack.cuda_kernels import launching, mma as _mma, runtime  # noqa: E402
 from flux_numba_pack.flux_core import harness  # noqa: E402
 
 # plain cuda.jit (no on-disk cache: a few small kernels); fastmath as the pack's kernels
@@ -288,7 +288,7 @@ def run_mma(spec, args, gen):
     A, B, aw, bw = mma_operands(MT, NT, gen)
     aw, bw = aw.to(DEV), bw.to(DEV)
     tiles = torch.zeros(MT * NT * 4, 32, device=DEV)
-    la = ik.Launcher(lambda: make_mma(MT, NT))
+    la = launching.Launcher(lambda: make_mma(MT, NT))
     probe = (aw, bw, 1, torch.zeros(nth, device=DEV), tiles)
     grid, occ = grid_of(la, nth, probe)
     warps = grid * nth // 32
@@ -312,7 +312,7 @@ def run_wgmma(spec, args, gen):
     A, Bs, aw, img = wgmma_operands(N, gen)
     aw, img = aw.to(DEV), img.to(DEV)
     tiles = torch.zeros(N // 2, 128, device=DEV)
-    la = ik.Launcher(lambda: make_wgmma(N, G, NWG))
+    la = launching.Launcher(lambda: make_wgmma(N, G, NWG))
     probe = (aw, img, 1, torch.zeros(nth, device=DEV), tiles)
     grid, occ = grid_of(la, nth, probe)
     if SIM:

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from . import intrinsics as ik
+from . import launching
+from .jit import NUMBA_OK, jit_kernel
 from . import runtime
 from .registry import registry
-from .intrinsics import cuda, float32, unpack4, pack4, ld2, st2, bf2f  # noqa: F401
+from .device import cuda, float32, unpack4, pack4, ld2, st2, bf2f  # noqa: F401
 
 OP = "bias_residual_nhwc"
 SIMULATOR = runtime.SIMULATOR
@@ -44,7 +45,7 @@ def reference(y, bias, residual=None):
 
 registry.register(OP, reference, doc=__doc__, mutates=(0,))
 
-if ik.NUMBA_OK:
+if NUMBA_OK:
     _dev = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
 
     @_dev
@@ -114,14 +115,14 @@ def make_kernel(CC, RES, B16):
             st2(yw, 2 * i, _w4(t0[0], r0[0], b0, b1, b2, b3, RES), _w4(t0[1], r0[1], b4, b5, b6, b7, RES))
             i += stride
 
-    return ik.jit_kernel(bias_res)
+    return jit_kernel(bias_res)
 
 
 _launchers = {}
 
 
 def _launcher(*key):
-    return ik.cached_launcher(_launchers, key, make_kernel, *key)
+    return launching.cached_launcher(_launchers, key, make_kernel, *key)
 
 
 def _nhwc16(t):
@@ -130,7 +131,7 @@ def _nhwc16(t):
 
 
 def check(y, bias, residual=None):
-    why = ik.common_check(y, bias, residual, bf16_only=False)
+    why = launching.common_check(y, bias, residual, bf16_only=False)
     if why:
         return why
     if not _nhwc16(y) or y.numel() == 0:
@@ -150,8 +151,8 @@ def check(y, bias, residual=None):
 def bias_residual_nhwc_numba(y, bias, residual=None):
     C = y.shape[1]
     CC = C // 8
-    yw = ik.nhwc_words(y)
-    rw = yw if residual is None else ik.nhwc_words(residual)
+    yw = launching.nhwc_words(y)
+    rw = yw if residual is None else launching.nhwc_words(residual)
     V = y.numel() // 8
     tpb = (TPB // CC) * CC
     grid = 2 if SIMULATOR else max(1, min(-(-V // (tpb * U)), 8 * runtime.sm_count()))

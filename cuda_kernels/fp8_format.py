@@ -136,7 +136,7 @@ if not _NUMBA:  # pragma: no cover - names exist so op modules import; checks de
     e4m3_1 = e4m3x4 = e4m3x8 = None
 
 elif runtime.SIMULATOR:
-    from .intrinsics import wrap_i32, wrap_i64
+    from .device import wrap_i32, wrap_i64
 
     def e4m3_1(a):
         """float32 -> e4m3 byte (0..255)."""
@@ -216,7 +216,7 @@ _conv = {}
 
 
 def _make_convert_kernel():
-    from .intrinsics import jit_kernel
+    from .jit import jit_kernel
 
     def convert(x, o8, o4, o1):
         """x float32 [n] (n % 8 == 0) -> the same bytes three ways: o8 int64 [n/8] (e4m3x8),
@@ -238,7 +238,7 @@ def convert_bytes(x):
     """Run the device conversion helpers over fp32 ``x`` (1-D, padded to a multiple of 8 here):
     (bytes via e4m3x8, via e4m3x4, via e4m3_1), each uint8 [len(x)] -- the GPU's cvt (or the
     simulator's software conversion), for tests and the bench to compare with torch's cast."""
-    from .intrinsics import Launcher
+    from .launching import Launcher
     n = x.numel()
     xp = torch.zeros(-(-n // 8) * 8, dtype=torch.float32, device=x.device)
     xp[:n] = x.reshape(-1)

@@ -40,10 +40,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import intrinsics as ik
+from . import launching
+from .jit import jit_kernel
+from .device import RED_SMEM
 from . import fp8_format as f8
 # module globals (not closure cells): the simulator swaps `cuda` per thread
-from .intrinsics import cuda, float32, int64, unpack_w, gelu_fast, ld2, block_max, fdiv_rn  # noqa: F401
+from .device import cuda, float32, int64, unpack_w, gelu_fast, ld2, block_max, fdiv_rn  # noqa: F401
 from .fp8_format import e4m3_1, e4m3x4, e4m3x8  # noqa: F401
 from .registry import registry
 
@@ -86,7 +88,7 @@ def make_rows_kernel(VEC, NW, VW):
     NS = NW // VW
     E = VEC * VW
     G = NS * E
-    RED = ik.RED_SMEM
+    RED = RED_SMEM
     AMAX_FLOOR = f8.AMAX_FLOOR
     E4M3_MAX = f8.E4M3_MAX
 
@@ -147,14 +149,14 @@ def make_rows_kernel(VEC, NW, VW):
                 li += cuda.gridDim.y
             b += cuda.gridDim.z
 
-    return ik.jit_kernel(rows_kernel, launch_bounds=LB[(VEC, VW)])
+    return jit_kernel(rows_kernel, launch_bounds=LB[(VEC, VW)])
 
 
 _launchers = {}
 
 
 def _launcher(VEC, VW):
-    return ik.cached_launcher(_launchers, (VEC, VW), make_rows_kernel, VEC, NW_FOR[(VEC, VW)], VW)
+    return launching.cached_launcher(_launchers, (VEC, VW), make_rows_kernel, VEC, NW_FOR[(VEC, VW)], VW)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -166,14 +168,14 @@ def _threads(slots, NS):
 def _views(*ts):
     """(VEC, VW, word views) shared by all inputs: 16-byte pairs when every one allows them,
     else 8-byte words, else int16 scalars."""
-    ws = [ik.words(t) for t in ts]
+    ws = [launching.words(t) for t in ts]
     if all(w is not None for w in ws):
-        return 4, (2 if ik.aligned16(*ws) else 1), ws
+        return 4, (2 if launching.aligned16(*ws) else 1), ws
     return 1, 1, [t.view(torch.int16) for t in ts]
 
 
 def _check_parts(*ts):
-    why = ik.common_check(*ts)
+    why = launching.common_check(*ts)
     if why:
         return why
     ts = [_3d(t) for t in ts]
@@ -204,7 +206,7 @@ def _launch(a, m, na_el, nm_el):
     E = VEC * VW
     q, qs = f8.empty(B * L, K, a.device)
     nt = _threads(K // E, NW_FOR[(VEC, VW)] // VW)
-    _launcher(VEC, VW)(ik.grid3(1, L, B), nt, aw, mw, f8.q_words(q, E, B, L), qs.view(B, L), na_el // E, nm_el // E)
+    _launcher(VEC, VW)(launching.grid3(1, L, B), nt, aw, mw, f8.q_words(q, E, B, L), qs.view(B, L), na_el // E, nm_el // E)
     return q, qs
 
 

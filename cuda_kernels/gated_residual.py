@@ -30,10 +30,11 @@ value: the mlp-up input of the double blocks.  Bytes: read x, y + write x (bf16)
 import numpy as np
 import torch
 
-from . import intrinsics as ik
+from . import launching
+from .jit import jit_kernel
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key then only hashes the factory's int constants
-from .intrinsics import cuda, float32, int64, unpack_w, pack4, pack1, round_bf16, ld2, st2  # noqa: F401
+from .device import cuda, float32, int64, unpack_w, pack4, pack1, round_bf16, ld2, st2  # noqa: F401
 from . import fp8_format as f8
 from . import ln_modulate as _lm
 from .ln_modulate import reference as ln_modulate_reference
@@ -125,14 +126,14 @@ def make_gated_kernel(VEC, NW, VW=1):
                 li += cuda.gridDim.y
             b += cuda.gridDim.z
 
-    return ik.jit_kernel(gated_kernel)
+    return jit_kernel(gated_kernel)
 
 
 _launchers = {}
 
 
 def _launcher(kind, VEC, VW):
-    return ik.cached_launcher(_launchers, (kind, VEC, VW), make_gated_kernel, VEC, NW_FOR[(VEC, VW)], VW)
+    return launching.cached_launcher(_launchers, (kind, VEC, VW), make_gated_kernel, VEC, NW_FOR[(VEC, VW)], VW)
 
 
 def check(x, gate, y):
@@ -150,7 +151,7 @@ def numba_gated_residual(x, gate, y):
     NW = NW_FOR[(VEC, VW)]
     nt = _threads(Cw, NW)
     nchunks = -(-Cw // (nt * NW))
-    _launcher("gated", VEC, VW)(ik.grid3(nchunks, L, B), nt, xw, gw, yw, nchunks)
+    _launcher("gated", VEC, VW)(launching.grid3(nchunks, L, B), nt, xw, gw, yw, nchunks)
     return x
 
 

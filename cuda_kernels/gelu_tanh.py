@@ -22,10 +22,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import intrinsics as ik
+from . import launching
+from .jit import jit_kernel
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key then only hashes the factory's int constants
-from .intrinsics import cuda, float32, int64, unpack_w, pack4, pack1, gelu_fast, ld2, st2  # noqa: F401
+from .device import cuda, float32, int64, unpack_w, pack4, pack1, gelu_fast, ld2, st2  # noqa: F401
 from .registry import registry
 
 OP = "gelu_tanh"
@@ -99,7 +100,7 @@ def make_gelu_kernel(VEC, NW, VW=1):
                 li += cuda.gridDim.y
             b += cuda.gridDim.z
 
-    return ik.jit_kernel(gelu_kernel)
+    return jit_kernel(gelu_kernel)
 
 
 _launchers = {}
@@ -116,11 +117,11 @@ def _split(Mw, NW):
 
 
 def _launcher(VEC, VW):
-    return ik.cached_launcher(_launchers, (VEC, VW), make_gelu_kernel, VEC, NW_FOR[(VEC, VW)], VW)
+    return launching.cached_launcher(_launchers, (VEC, VW), make_gelu_kernel, VEC, NW_FOR[(VEC, VW)], VW)
 
 
 def check(x, out=None):
-    why = ik.common_check(x, out)
+    why = launching.common_check(x, out)
     if why:
         return why
     if x.ndim != 3:
@@ -134,15 +135,15 @@ def numba_gelu_tanh(x, out=None):
     ret = out
     if out is None:
         ret = out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    xw, ow = ik.words(x), ik.words(out)
+    xw, ow = launching.words(x), launching.words(out)
     if xw is None or ow is None:
         VEC, VW, xw, ow = 1, 1, x.view(torch.int16), out.view(torch.int16)
     else:
-        VEC, VW = 4, 2 if ik.aligned16(xw, ow) else 1
+        VEC, VW = 4, 2 if launching.aligned16(xw, ow) else 1
     B, L, Mw = xw.shape
     NW = NW_FOR[(VEC, VW)]
     nt, nchunks = _split(Mw, NW)
-    _launcher(VEC, VW)(ik.grid3(nchunks, L, B), nt, xw, ow, nchunks)
+    _launcher(VEC, VW)(launching.grid3(nchunks, L, B), nt, xw, ow, nchunks)
     return ret
 
 

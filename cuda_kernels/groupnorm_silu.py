@@ -9,7 +9,7 @@
 Layout fact used: in contiguous NCHW one (sample, group) is ONE contiguous run of
 L = (C/G) * H * W elements, and one (sample, channel) plane is a contiguous run of H*W.
 
-Numba backend, two launches through ``intrinsics.Launcher`` (fast path: no as_cuda_array, no
+Numba backend, two launches through ``launching.Launcher`` (fast path: no as_cuda_array, no
 argument typing; configured per kernel variant; plan per shape cached):
   1. ``gn_stats``: each group run is cut into S chunks (S a power of two, <= 128, chosen so
      N*G*S >= 8 blocks per SM when the run is long enough); one block per chunk.  Per
@@ -65,12 +65,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import intrinsics as ik
+from . import launching
+from .jit import NUMBA_OK, jit_kernel
+from .device import wrap_i64
 from . import runtime
 from .registry import registry
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key of a kernel then only hashes the factory's int constants
-from .intrinsics import cuda, float32, int64, unpack4, unpack_f32x2, bf2f, pack4, pack1, ld2, st2, rsqrt  # noqa: F401
+from .device import cuda, float32, int64, unpack4, unpack_f32x2, bf2f, pack4, pack1, ld2, st2, rsqrt  # noqa: F401
 
 OP = "groupnorm_silu"
 SIMULATOR = runtime.SIMULATOR
@@ -95,7 +97,7 @@ registry.register(OP, reference, doc=__doc__)
 
 
 # ---------------------------------------------------------------------------------- device helpers
-if not ik.NUMBA_OK:  # pragma: no cover - the torch reference still works
+if not NUMBA_OK:  # pragma: no cover - the torch reference still works
     _silu = _f32pair = None  # (the kernel factories are never called: check() declines)
 
 elif SIMULATOR:
@@ -113,7 +115,7 @@ elif SIMULATOR:
     def _f32pair(a, b):
         lo = struct.unpack("<I", struct.pack("<f", float(_F32(a))))[0]
         hi = struct.unpack("<I", struct.pack("<f", float(_F32(b))))[0]
-        return ik.wrap_i64(lo | (hi << 32))
+        return wrap_i64(lo | (hi << 32))
 
     _dev = cuda.jit(device=True)
 
@@ -121,7 +123,7 @@ else:
     from llvmlite import ir as _ir
     from numba import types as _nbt
     from numba.cuda.extending import intrinsic as _intrinsic
-    from .intrinsics import _ex2, _rcp  # noqa: F401  (GPU-only helpers: ex2.approx, rcp.approx)
+    from .device import _ex2, _rcp  # noqa: F401  (GPU-only helpers: ex2.approx, rcp.approx)
 
     _dev = cuda.jit(device=True, forceinline=True)
 
@@ -146,7 +148,7 @@ else:
         return y * _rcp(float32(1) + _ex2(y * float32(-1.4426950408889634)))
 
 
-if ik.NUMBA_OK:
+if NUMBA_OK:
     @_dev
     def _merge(na, ma, qa, nb, mb, qb):
         """Chan et al.: (count, mean, M2) of the union; either side may be empty."""
@@ -199,7 +201,7 @@ if ik.NUMBA_OK:
         t = unpack_f32x2(w)
         return _f32pair(_act(t[0] * a + b, silu), _act(t[1] * a + b, silu))
 
-if ik.NUMBA_OK and SIMULATOR:
+if NUMBA_OK and SIMULATOR:
     @_dev
     def _block_merge(n, m, q, sh):
         """Merge over the block (shared-memory tree, blockDim a power of 2); every thread
@@ -239,7 +241,7 @@ if ik.NUMBA_OK and SIMULATOR:
             j += cuda.blockDim.x
         return _block_merge(n, m, q, sh)
 
-elif ik.NUMBA_OK:
+elif NUMBA_OK:
     _FULL = 0xFFFFFFFF
 
     @_dev
@@ -402,7 +404,7 @@ def make_stats_kernel(X16, MODE):
                 part[2 * P + blk] = q
             blk += cuda.gridDim.x
 
-    return ik.jit_kernel(gn_stats)
+    return jit_kernel(gn_stats)
 
 
 def make_norm_kernel(X16, MODE, SILU, W16):
@@ -479,7 +481,7 @@ def make_norm_kernel(X16, MODE, SILU, W16):
                 i += nt
             blk += cuda.gridDim.x
 
-    return ik.jit_kernel(gn_norm)
+    return jit_kernel(gn_norm)
 
 
 # ---------------------------------------------------------------------------------- host side
@@ -488,7 +490,7 @@ _launchers = {}
 
 def _launcher(kind, *key):
     fac = make_stats_kernel if kind == "stats" else make_norm_kernel
-    return ik.cached_launcher(_launchers, (kind,) + key, fac, *key)
+    return launching.cached_launcher(_launchers, (kind,) + key, fac, *key)
 
 
 def _pow2_at_least(v):
@@ -571,7 +573,7 @@ def check(x, num_groups, weight, bias, eps=1e-6, silu=True):
     why = runtime.device_ok(x, weight, bias)
     if why:
         return why
-    if not ik.NUMBA_OK:
+    if not NUMBA_OK:
         return "numba not importable"
     if x.dtype not in (torch.bfloat16, torch.float32):
         return f"x dtype {x.dtype} (bf16/fp32 only)"

@@ -17,7 +17,7 @@ strided; a pixel row of C channels (C/8 16-byte columns) is the contiguous unit.
 keeps one 16-byte column j for all its work touches a fixed set of 8 channels -- one group when
 C/G >= 8, 8/(C/G) groups when C/G divides 8 -- so it needs only those 8 channels' coefficients.
 
-Numba backend, two launches through ``intrinsics.Launcher`` (launch plan cached per shape):
+Numba backend, two launches through ``launching.Launcher`` (launch plan cached per shape):
   1. ``gnh_part``: block = (sample n, pixel chunk s of S); thread = (pixel lane r of R, column j),
      R = TPB / (C/8).  Per iteration each thread issues U=4 independent 16-byte loads (pixels
      p, p+R, ...) before any math (+ its 8 pre_bias values, registers), folds the exact two-pass
@@ -49,11 +49,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import intrinsics as ik
+from . import launching
+from .jit import NUMBA_OK, jit_kernel
 from . import runtime
 from .registry import registry
 # module globals (not closure cells): the simulator swaps `cuda` per thread
-from .intrinsics import cuda, float32, int32, unpack4, pack4, ld2, st2, bf2f, rsqrt  # noqa: F401
+from .device import cuda, float32, int32, unpack4, pack4, ld2, st2, bf2f, rsqrt  # noqa: F401
 
 OP = "groupnorm_silu_nhwc"
 SIMULATOR = runtime.SIMULATOR
@@ -74,7 +75,7 @@ def reference(x, num_groups, weight, bias, eps: float = 1e-6, silu: bool = True,
 
 registry.register(OP, reference, doc=__doc__)
 
-if ik.NUMBA_OK:
+if NUMBA_OK:
     from .groupnorm_silu import _merge, _group_merge, _act  # noqa: F401  (device helpers)
 
     _dev = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
@@ -255,7 +256,7 @@ def make_part_kernel(C, G, PB, PB16, W16):
             cuda.syncthreads()
             blk += cuda.gridDim.x
 
-    return ik.jit_kernel(gnh_part)
+    return jit_kernel(gnh_part)
 
 
 def make_norm_kernel(CC, SILU):
@@ -308,7 +309,7 @@ def make_norm_kernel(CC, SILU):
                     _y4(t0[1], a4, a5, a6, a7, b4, b5, b6, b7, SILU))
                 i += stride
 
-    return ik.jit_kernel(gnh_norm)
+    return jit_kernel(gnh_norm)
 
 
 _launchers = {}
@@ -316,7 +317,7 @@ _launchers = {}
 
 def _launcher(kind, *key):
     fac = {"part": make_part_kernel, "norm": make_norm_kernel}[kind]
-    return ik.cached_launcher(_launchers, (kind,) + key, fac, *key)
+    return launching.cached_launcher(_launchers, (kind,) + key, fac, *key)
 
 
 def _chunks(N, HW, R):
@@ -337,7 +338,7 @@ def _norm_grid(V, tpb):
 
 
 def check(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
-    why = ik.common_check(x, weight, bias, pre_bias, bf16_only=False)
+    why = launching.common_check(x, weight, bias, pre_bias, bf16_only=False)
     if why:
         return why
     if x.dtype != torch.bfloat16:
@@ -404,7 +405,7 @@ def groupnorm_silu_nhwc_numba(x, num_groups, weight, bias, eps=1e-6, silu=True, 
     part, coef = buf[:npart], buf[npart:]
     cnt = torch.zeros(x.shape[0], device=x.device, dtype=torch.int32)   # chunk tickets per sample
     y = torch.empty_like(x, memory_format=torch.channels_last)
-    xw, yw = ik.nhwc_words(x), ik.nhwc_words(y)
+    xw, yw = launching.nhwc_words(x), launching.nhwc_words(y)
     pb = weight if pre_bias is None else pre_bias               # (a placeholder of the same kind when unused)
     lp(gp, TPB, xw, pb, part, cnt, weight, bias, coef, *ap, np.float32(eps))
     ln(gn, tpb, xw, yw, coef, *an)

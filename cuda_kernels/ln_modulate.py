@@ -45,11 +45,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import intrinsics as ik
+from . import launching
+from .jit import jit_kernel
+from .device import RED_SMEM
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key then only hashes the factory's int constants
-from .intrinsics import cuda, float32, int64, unpack_w, pack4, pack1, round_bf16, block_sum, rsqrt, ld2, st2  # noqa: F401
-from .intrinsics import block_max, fdiv_rn  # noqa: F401
+from .device import cuda, float32, int64, unpack_w, pack4, pack1, round_bf16, block_sum, rsqrt, ld2, st2  # noqa: F401
+from .device import block_max, fdiv_rn  # noqa: F401
 from . import fp8_format as f8
 from .fp8_format import e4m3_1, e4m3x4, e4m3x8  # noqa: F401
 from .registry import registry
@@ -91,7 +93,7 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0, FP8=0):
     reductions, so it always has a row in flight (the one-row kernel leaves the memory system
     idle between its loads and its stores; it reached 58-63% of copy bandwidth)."""
 
-    RED = ik.RED_SMEM
+    RED = RED_SMEM
     NS = NW // VW
     AMAX_FLOOR = f8.AMAX_FLOOR
     E4M3_MAX = f8.E4M3_MAX
@@ -285,7 +287,7 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0, FP8=0):
                 li += cuda.gridDim.y
             b += cuda.gridDim.z
 
-    return ik.jit_kernel(row_kernel)
+    return jit_kernel(row_kernel)
 
 
 # 16-byte rows: the pipelined kernel with PIPE_BLOCKS[GATED] blocks per SM (what fits by
@@ -319,7 +321,7 @@ def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps, qsc=None):
         qsc = ow  # unused by the bf16 kernel
     if PIPE_BLOCKS[GATED] > 0 and VEC == 4 and VW == 2:
         key = ("pipe", GATED) + tail
-        la = ik.cached_launcher(_launchers, key, make_row_kernel, 4, NW_FOR[(4, 2)], GATED, 2, 1, 1, FP8)
+        la = launching.cached_launcher(_launchers, key, make_row_kernel, 4, NW_FOR[(4, 2)], GATED, 2, 1, 1, FP8)
         ny = L
         if xw.is_cuda:  # enough blocks to fill the GPU once, each striding over several rows
             dev = xw.device.index if xw.device.index is not None else torch.cuda.current_device()
@@ -328,9 +330,9 @@ def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps, qsc=None):
                 per_sm = _resident(key, la, nt, per_sm, (xw, yw, gw, shw, scw, ow, qsc, np.float32(eps)),
                                    fallback=min(per_sm, 7))  # 7 x 96 threads x 96 registers fit
             ny = min(L, max(1, _sms(dev) * per_sm // B))
-        la(ik.grid3(1, ny, B), nt, xw, yw, gw, shw, scw, ow, qsc, np.float32(eps))
+        la(launching.grid3(1, ny, B), nt, xw, yw, gw, shw, scw, ow, qsc, np.float32(eps))
         return
-    _launcher(VEC, GATED, VW, FP8)(ik.grid3(1, L, B), nt, xw, yw, gw, shw, scw, ow, qsc, np.float32(eps))
+    _launcher(VEC, GATED, VW, FP8)(launching.grid3(1, L, B), nt, xw, yw, gw, shw, scw, ow, qsc, np.float32(eps))
 
 
 _launchers = {}
@@ -345,7 +347,7 @@ def _resident(key, la, nt, cap, args, fallback):
     if hit is None:
         occ = la.occupancy(nt, *args)
         hit = (fallback if not occ else max(1, min(cap, occ)), occ)
-        if not ik.planning():  # a planning pass gets no answer: ask again when it runs
+        if not launching.planning():  # a planning pass gets no answer: ask again when it runs
             _occupancy[k] = hit
     return hit[0]
 
@@ -353,7 +355,7 @@ def _resident(key, la, nt, cap, args, fallback):
 def _launcher(VEC, GATED, VW=1, FP8=0):
     late = int(LATE_VEC[GATED])
     key = (VEC, GATED, VW) + ((late,) if late else ()) + (("fp8",) if FP8 else ())
-    return ik.cached_launcher(_launchers, key, make_row_kernel, VEC, NW_FOR[(VEC, VW)], GATED, VW, late, 0, FP8)
+    return launching.cached_launcher(_launchers, key, make_row_kernel, VEC, NW_FOR[(VEC, VW)], GATED, VW, late, 0, FP8)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -365,7 +367,7 @@ def _threads(Cw, NW):
 
 def row_check(x, rows, vecs):
     """Shared check for the row kernels (ln_modulate and gated_residual_ln_modulate)."""
-    why = ik.common_check(x, *rows, *vecs)
+    why = launching.common_check(x, *rows, *vecs)
     if why:
         return why
     if x.ndim != 3:
@@ -388,10 +390,10 @@ def check(x, shift, scale, eps: float = 1e-6):
 
 def vec_views(x, *ts):
     """(VEC, VW, views): int64 word views of all tensors when every one is 8-byte aligned
-    (VW 2 when also 16-byte aligned, see ``ik.aligned16``), else int16 views (VEC 1, VW 1)."""
-    ws = [ik.words(t) for t in (x,) + ts]
+    (VW 2 when also 16-byte aligned, see ``launching.aligned16``), else int16 views (VEC 1, VW 1)."""
+    ws = [launching.words(t) for t in (x,) + ts]
     if all(w is not None for w in ws):
-        return 4, (2 if ik.aligned16(*ws) else 1), ws
+        return 4, (2 if launching.aligned16(*ws) else 1), ws
     return 1, 1, [t.view(torch.int16) for t in (x,) + ts]
 
 

@@ -5,7 +5,7 @@ kernel after another, under its global compiler lock: on a machine with no on-di
 pack's first prompt waited for every kernel in turn (27 kernels, ~25 s on an H200 host).  Here:
 
   * ``plan(device)`` runs the warm-up calls (``warmup.warm_calls``) in *planning* mode
-    (``intrinsics.collecting``): every Launcher records ``(launcher, numba signature)`` and
+    (``launching.collecting``): every Launcher records ``(launcher, numba signature)`` and
     launches nothing, so the list is exactly what the ops' host code asks for on this GPU
     (alignment variants, channel counts, fp8 support), per op.  Kernels already in numba's on-disk
     cache are left out.
@@ -23,7 +23,7 @@ pack's first prompt waited for every kernel in turn (27 kernels, ~25 s on an H20
     says so and the registry runs the op's reference (the stock torch math) instead -- sampling
     starts at stock speed at once and each op switches to its kernel when that is built; CUDA
     graphs are not captured until the build is done (``registry.settled``).  A compile of one of
-    the build's kernels in another thread waits for it (``intrinsics.compile_gate``); any other
+    the build's kernels in another thread waits for it (``launching.compile_gate``); any other
     compile goes ahead.
   * ``Build.wait()`` blocks until the build is done (benchmarks, tests).
 
@@ -43,7 +43,8 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Set
 
-from . import intrinsics as ik
+from . import launching
+from .jit import NUMBA_OK
 from . import runtime
 from .prebuild_worker import sig_spec
 
@@ -115,7 +116,7 @@ def plan(device="cuda", skip=PLAN_SKIP, ops=None) -> List[Job]:
         for op, backend, fn in warmup.warm_calls(device, call=_direct_call):
             if backend != "numba" or op in skip or (ops is not None and op not in ops):
                 continue
-            with ik.collecting() as found:
+            with launching.collecting() as found:
                 try:
                     fn()
                 except Exception as e:  # this op is compiled where it is used
@@ -361,7 +362,7 @@ _build: Optional[Build] = None
 
 
 def _gate(launcher=None):
-    """``intrinsics.compile_gate``: a compile of one of the build's kernels in another thread waits
+    """``launching.compile_gate``: a compile of one of the build's kernels in another thread waits
     for the build (then finds the kernel built); other compiles go ahead."""
     b = _build
     if b is None or b.done.is_set() or threading.current_thread() is b.thread:
@@ -379,7 +380,7 @@ def start(device=None, workers=None, ops=None) -> Optional[Build]:
     global _build
     if _build is not None:
         return _build
-    if not ENABLED or runtime.SIMULATOR or runtime.numba_status() is not None or not ik.NUMBA_OK:
+    if not ENABLED or runtime.SIMULATOR or runtime.numba_status() is not None or not NUMBA_OK:
         return None
     import torch
     if not torch.cuda.is_available():
@@ -388,7 +389,7 @@ def start(device=None, workers=None, ops=None) -> Optional[Build]:
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
     _build = Build(device, workers, ops)
-    ik.compile_gate = _gate
+    launching.compile_gate = _gate
     registry.pending = _build.pending
     _build.thread.start()
     return _build

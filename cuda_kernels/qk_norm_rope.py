@@ -37,11 +37,13 @@ import functools
 import numpy as np
 import torch
 
-from . import intrinsics as ik
+from . import launching
+from .jit import jit_kernel
+from .device import RED_SMEM
 from . import runtime as _rt
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key then only hashes the factory's int constants
-from .intrinsics import cuda, float32, int64, unpack_w, pack4, unpack_f32x2, group_sum, group_max, rsqrt, ld2, st2  # noqa: F401
+from .device import cuda, float32, int64, unpack_w, pack4, unpack_f32x2, group_sum, group_max, rsqrt, ld2, st2  # noqa: F401
 from .registry import registry
 
 OP = "qk_norm_rope"
@@ -120,7 +122,7 @@ def make_qk_kernel(VW=2, QUANT=0, VT=0):
     row, unit (((b H + h) Lt / VT + t / VT) (D / 8) + w) (VT / 8) + (t % VT) / 8) * 8 + t % 8.  Rows
     >= Ltot are never written (the buffer is zeroed once)."""
     assert QUANT in (0, 1, 2) and (QUANT == 0 or VW == 2) and (VT == 0 or (VW == 2 and VT % 8 == 0))
-    RED = ik.RED_SMEM
+    RED = RED_SMEM
     NE = 4 * VW  # elements of one vector per lane
     KQ = QUANT == 2
     pack8 = _quant_helpers()
@@ -294,7 +296,7 @@ def make_qk_kernel(VW=2, QUANT=0, VT=0):
                 t += cuda.gridDim.x
             b += cuda.gridDim.y
 
-    return ik.jit_kernel(qk_kernel, **LB)
+    return jit_kernel(qk_kernel, **LB)
 
 
 _launchers = {}
@@ -303,7 +305,7 @@ _placeholders = {}  # device -> (pe, q8, qsc, kmean, vt) stand-ins for arguments
 
 
 def _launcher(VW, QUANT=0, VT=0):
-    return ik.cached_launcher(_launchers, (VW, QUANT, VT), make_qk_kernel, VW, QUANT, VT)
+    return launching.cached_launcher(_launchers, (VW, QUANT, VT), make_qk_kernel, VW, QUANT, VT)
 
 
 def _placeholder(device):
@@ -350,10 +352,10 @@ def check(parts, pe, num_heads: int, eps: float = 1e-6, quant8: bool = False):
     if not isinstance(parts, (list, tuple)) or not 1 <= len(parts) <= 2:
         return "numba qk_norm_rope takes 1 or 2 parts"
     qkv0 = parts[0][0]
-    why = ik.common_check(*[p[0] for p in parts])
+    why = launching.common_check(*[p[0] for p in parts])
     if why:
         return why
-    why = ik.runtime.device_ok(pe, *[s for p in parts for s in p[1:]])
+    why = _rt.device_ok(pe, *[s for p in parts for s in p[1:]])
     if why:
         return why
     B, _, C3 = qkv0.shape
@@ -367,7 +369,7 @@ def check(parts, pe, num_heads: int, eps: float = 1e-6, quant8: bool = False):
     for qkv, qs, ks in parts:
         if qkv.ndim != 3 or qkv.shape[0] != B or qkv.shape[2] != C3:
             return f"part qkv shape {tuple(qkv.shape)} does not match {tuple(qkv0.shape)}"
-        if ik.words(qkv) is None:
+        if launching.words(qkv) is None:
             return "qkv rows not 8-byte aligned"
         if qs.numel() != D or ks.numel() != D:
             return "norm scale size != head dim"
@@ -384,7 +386,7 @@ def _scales(parts, device):
     # cached per (storage, version): the cache holds the sources, so an address cannot be reused;
     # without a version counter an in-place update (a LoRA on the norm scales) could go unseen,
     # so such scales are prepared afresh on every call (4 tiny ops).
-    vers = [ik.runtime.tensor_version(s) for p in parts for s in p[1:]]
+    vers = [_rt.tensor_version(s) for p in parts for s in p[1:]]
     key = None if None in vers else tuple((s.data_ptr(), v, str(s.dtype)) for s, v in zip([s for p in parts for s in p[1:]], vers))
     hit = _scale_cache.get(key) if key is not None else None
     if hit is None:
@@ -445,7 +447,7 @@ def make_kmean_kernel():
     rotated k.  Grid-strides (h, b) over blocks; a block = NG groups of G = D/8 lanes (16-byte words),
     group g does sampled tokens g, g + NG, ... (uniform trip count), rows go to shared memory, then
     thread d < D sums column d in token order."""
-    RED = ik.RED_SMEM
+    RED = RED_SMEM
     KS = KM_SMEM
 
     def kmean_kernel(qkv0, qkv1, scales, pe, kmean, L0, Ltot, S, has_pe, eps):
@@ -542,7 +544,7 @@ def make_kmean_kernel():
                 h += cuda.gridDim.x
             b += cuda.gridDim.y
 
-    return ik.jit_kernel(kmean_kernel, launch_bounds=(1024, 1))
+    return jit_kernel(kmean_kernel, launch_bounds=(1024, 1))
 
 
 _kmean_launchers = {}
@@ -550,7 +552,7 @@ _q8_scratch = {}
 
 
 def _kmean_launcher():
-    return ik.cached_launcher(_kmean_launchers, "kmean", make_kmean_kernel)
+    return launching.cached_launcher(_kmean_launchers, "kmean", make_kmean_kernel)
 
 
 def _q8_buffers(B, H, Lp, D, dev):
@@ -587,9 +589,9 @@ def _launch_quant(a0, a1, sc, pe_w, ow, q, k, v, B, H, D, L0, Ltot, has_pe, eps,
     if kq:
         S = min(Ltot, KMEAN_SAMPLES)
         ntm = min(1024, -(-(S * (D // 8)) // 32) * 32)
-        _kmean_launcher()(ik.grid3(H, B, 1), ntm, a0, a1, sc, pe_w, km, L0, Ltot, S, hp, np.float32(eps))
+        _kmean_launcher()(launching.grid3(H, B, 1), ntm, a0, a1, sc, pe_w, km, L0, Ltot, S, hp, np.float32(eps))
     _launcher(2, 2 if kq else 1, VT_KEYS if vt is not None else 0)(
-        ik.grid3(Lp, B, nz), nt, a0, a1, sc, pe_w, ow, q8w, qsc, km,
+        launching.grid3(Lp, B, nz), nt, a0, a1, sc, pe_w, ow, q8w, qsc, km,
         vtw if vt is not None else _placeholder(dev)[4], L0, hp, np.float32(eps))
     if not kq:
         return Quant8(q, k, q8[0], None, qsc[0].reshape(-1), None, None, Lp, views, v=v if vt is not None else None, vt=vt)
@@ -607,10 +609,10 @@ def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6, quant8: boo
     # comes back in [B, L, H, D] order (cuDNN/flash allocate it in the query's stride order), so
     # its reshape to [B, L, H*D] is free instead of a 28 MB copy per block (run 8: 3.6 ms/step).
     out = torch.empty((3, B, Ltot, H, D), dtype=qkv0.dtype, device=dev).permute(0, 1, 3, 2, 4)
-    a0 = ik.words(qkv0)
-    a1 = ik.words(parts[1][0]) if len(parts) > 1 else a0
+    a0 = launching.words(qkv0)
+    a1 = launching.words(parts[1][0]) if len(parts) > 1 else a0
     ow = out.view(torch.int64)
-    VW = 2 if D >= 8 and ik.aligned16(a0, a1, ow) else 1
+    VW = 2 if D >= 8 and launching.aligned16(a0, a1, ow) else 1
     nt, nz = _threads(D // (4 * VW), H)
     if quant8 and VW == 2 and D in QUANT_DIMS:
         q, k, v = out[0], out[1], out[2]
@@ -618,7 +620,7 @@ def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6, quant8: boo
         pack = _launch_quant(a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow, q, k, v,
                              B, H, D, L0, Ltot, pe is not None, eps, nt, nz, dev, kind=kind)
         return q, k, v, pack
-    _launcher(VW)(ik.grid3(Ltot, B, nz), nt,
+    _launcher(VW)(launching.grid3(Ltot, B, nz), nt,
                   a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow, *_placeholder(dev)[1:],
                   L0, 1 if pe is not None else 0, np.float32(eps))
     if quant8:  # no int8 copy for this layout: attention falls back to its pre-pass

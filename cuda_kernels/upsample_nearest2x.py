@@ -20,10 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import intrinsics as ik
+from . import launching
+from .jit import jit_kernel
 from . import runtime
 from .registry import registry
-from .intrinsics import cuda, ld2, st2  # noqa: F401
+from .device import cuda, ld2, st2  # noqa: F401
 
 OP = "upsample_nearest2x"
 SIMULATOR = runtime.SIMULATOR
@@ -64,18 +65,18 @@ def make_kernel(CC):
                 i += nt
             row += cuda.gridDim.x
 
-    return ik.jit_kernel(up2x)
+    return jit_kernel(up2x)
 
 
 _launchers = {}
 
 
 def _launcher(CC):
-    return ik.cached_launcher(_launchers, CC, make_kernel, CC)
+    return launching.cached_launcher(_launchers, CC, make_kernel, CC)
 
 
 def check(x):
-    why = ik.common_check(x, bf16_only=False)
+    why = launching.common_check(x, bf16_only=False)
     if why:
         return why
     if x.dim() != 4 or x.numel() == 0:
@@ -94,7 +95,7 @@ def check(x):
 def upsample_nearest2x_numba(x):
     N, C, H, W = x.shape
     y = torch.empty((N, C, 2 * H, 2 * W), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
-    xw, yw = ik.nhwc_words(x), ik.nhwc_words(y)
+    xw, yw = launching.nhwc_words(x), launching.nhwc_words(y)
     NH = N * H
     grid = min(NH, 2) if SIMULATOR else min(NH, 32 * runtime.sm_count())
     _launcher(C * x.element_size() // 16)(grid, TPB, xw, yw, H, W, NH)

@@ -31,15 +31,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import intrinsics as ik
+from . import launching
+from .jit import NUMBA_OK, jit_kernel
+from .device import RED_SMEM
 from . import runtime
 from .registry import registry
-from .intrinsics import cuda, float32, pack4, unpack_f32x2, ld2, block_sum, block_max  # noqa: F401
+from .device import cuda, float32, pack4, unpack_f32x2, ld2, block_sum, block_max  # noqa: F401
 
 OP = "vae_attention"
 SIMULATOR = runtime.SIMULATOR
 TPB = 32 if SIMULATOR else 256
-RED = ik.RED_SMEM
+RED = RED_SMEM
 CHUNK_BYTES = 384 << 20
 GRAPH_CHUNK_BYTES = 48 << 20
 
@@ -94,10 +96,10 @@ def make_softmax_kernel():
                 i += nt
             r += cuda.gridDim.x
 
-    return ik.jit_kernel(attn_softmax)
+    return jit_kernel(attn_softmax)
 
 
-_softmax = ik.Launcher(make_softmax_kernel) if ik.NUMBA_OK else None
+_softmax = launching.Launcher(make_softmax_kernel) if NUMBA_OK else None
 _F32_OUT = {}
 
 
@@ -127,7 +129,7 @@ def _rows_view(t):
 
 
 def check(q, k, v):
-    why = ik.common_check(q, k, v)
+    why = launching.common_check(q, k, v)
     if why:
         return why
     for t in (q, k, v):

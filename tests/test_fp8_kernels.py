@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from flux_numba_pack.cuda_kernels import registry
-from flux_numba_pack.cuda_kernels import intrinsics as ik
+from flux_numba_pack.cuda_kernels import jit
 from flux_numba_pack.cuda_kernels import fp8_format as F8, fp8_rows as FR
 from flux_numba_pack.cuda_kernels import ln_modulate as LM, gated_residual as GR
 
 from _kernel_testing import DEV, BF, rnd, strict_and_poison  # noqa: F401  (autouse fixture)
 FP8_OPS = ("ln_modulate_fp8", "gated_residual_ln_modulate_fp8", "quantize_fp8", "gelu_tanh_fp8", "attn_gelu_fp8")
 
-pytestmark = [pytest.mark.skipif(not ik.NUMBA_OK, reason="numba not importable"),
+pytestmark = [pytest.mark.skipif(not jit.NUMBA_OK, reason="numba not importable"),
               pytest.mark.skipif(F8.FP8 is None, reason="torch without float8_e4m3fn")]
 gpu_only = pytest.mark.skipif(DEV != "cuda", reason="GPU test (FLUX_NUMBA_REAL_GPU=1 on a CUDA machine)")
 

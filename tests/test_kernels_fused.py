@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from flux_numba_pack.cuda_kernels import registry
-from flux_numba_pack.cuda_kernels import intrinsics as ik
+from flux_numba_pack.cuda_kernels import jit
 from flux_numba_pack.cuda_kernels import ln_modulate as LM, gelu_tanh as GT, gated_residual as GR
 from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
 from flux_numba_pack.flux_core import blocks
@@ -21,7 +21,7 @@ from flux_numba_pack.flux_core import blocks
 from _kernel_testing import DEV, BF, rnd, strict_and_poison  # noqa: F401  (autouse fixture)
 FUSED_OPS = ("ln_modulate", "gated_residual", "gated_residual_ln_modulate", "qk_norm_rope", "gelu_tanh")
 
-pytestmark = pytest.mark.skipif(not ik.NUMBA_OK, reason="numba not importable")
+pytestmark = pytest.mark.skipif(not jit.NUMBA_OK, reason="numba not importable")
 
 
 def numba():
@@ -352,12 +352,12 @@ def test_cache_key_includes_sources_and_options():
         return (sig, "numba")
     d1 = types.SimpleNamespace(_cache=types.SimpleNamespace(_index_key=base_key), targetoptions={"launch_bounds": (128, 8)})
     d2 = types.SimpleNamespace(_cache=types.SimpleNamespace(_index_key=base_key), targetoptions={"launch_bounds": None})
-    ik.keyed_on_sources(d1)
-    ik.keyed_on_sources(d1)  # idempotent
-    ik.keyed_on_sources(d2)
+    jit.keyed_on_sources(d1)
+    jit.keyed_on_sources(d1)  # idempotent
+    jit.keyed_on_sources(d2)
     k1, k2 = d1._cache._index_key("sig", None), d2._cache._index_key("sig", None)
-    assert k1[:2] == ("sig", "numba") and len(k1) == 3 and k1[2][1] == ik.source_hash()
-    assert k1 != k2 and len(ik.source_hash()) == 16
+    assert k1[:2] == ("sig", "numba") and len(k1) == 3 and k1[2][1] == jit.source_hash()
+    assert k1 != k2 and len(jit.source_hash()) == 16
 
 
 def test_cache_key_covers_the_attention_package(tmp_path):
@@ -365,20 +365,34 @@ def test_cache_key_covers_the_attention_package(tmp_path):
     change the key, or a stale kernel would load."""
     import os
     import shutil
-    here = os.path.dirname(os.path.abspath(ik.__file__))
-    assert ik.source_hash() == ik.tree_hash(here)
+    here = os.path.dirname(os.path.abspath(jit.__file__))
+    assert jit.source_hash() == jit.tree_hash(here)
     tree = tmp_path / "ck"
     shutil.copytree(here, tree, ignore=shutil.ignore_patterns("__pycache__"))
-    h0 = ik.tree_hash(tree)
-    assert h0 == ik.source_hash()
+    h0 = jit.tree_hash(tree)
+    assert h0 == jit.source_hash()
     f = tree / "attention" / "softmax.py"
     src = f.read_bytes()
     f.write_bytes(src + b"# edited\n")
-    assert ik.tree_hash(tree) != h0
+    assert jit.tree_hash(tree) != h0
     f.write_bytes(src)
-    assert ik.tree_hash(tree) == h0
+    assert jit.tree_hash(tree) == h0
     (tree / "attention" / "new_kernel.py").write_text("X = 1\n")      # a new file counts too
-    assert ik.tree_hash(tree) != h0
+    assert jit.tree_hash(tree) != h0
+
+
+def test_intrinsics_names_and_launching_state():
+    """intrinsics re-exports the names of jit / device / launching; launching's state reads through it
+    (its current value) and cannot be set through it (that would change nothing)."""
+    from flux_numba_pack.cuda_kernels import device, intrinsics, launching
+    assert intrinsics.jit_kernel is jit.jit_kernel and intrinsics.source_hash is jit.source_hash
+    assert intrinsics.pack4 is device.pack4 and intrinsics.RED_SMEM == device.RED_SMEM
+    assert intrinsics.Launcher is launching.Launcher and intrinsics.cached_launcher is launching.cached_launcher
+    assert all(hasattr(intrinsics, n) for n in intrinsics.__all__)
+    assert intrinsics.compile_gate is launching.compile_gate and intrinsics.FORCE_VW1 is launching.FORCE_VW1
+    for name in ("FORCE_VW1", "PREPARED", "_FAST_OK", "compile_gate"):
+        with pytest.raises(AttributeError):
+            setattr(intrinsics, name, getattr(launching, name))
 
 
 # ------------------------------------------------------ qk_norm_rope(quant8=True): 8-bit attention prologue

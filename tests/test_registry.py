@@ -155,12 +155,12 @@ def test_launcher_grids_do_not_leak_between_launches():
     """One Launcher launched with grids 3, 1, 3: each launch runs its own grid (in the simulator
     ``kernel[grid, block]`` returns the kernel object itself, so a reused cached configuration
     would run the latest grid)."""
-    from flux_numba_pack.cuda_kernels import intrinsics as ik
-    if not ik.NUMBA_OK or not ik.SIMULATOR:
+    from flux_numba_pack.cuda_kernels import launching
+    if not launching.NUMBA_OK or not launching.SIMULATOR:
         pytest.skip("simulator launcher behaviour")
     global cuda
     from numba import cuda
-    la = ik.Launcher(lambda: cuda.jit(_mark))
+    la = launching.Launcher(lambda: cuda.jit(_mark))
     for n in (3, 1, 3):
         out = torch.zeros(4, dtype=torch.int64)
         la((n,), (32,), out)

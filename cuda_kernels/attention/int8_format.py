@@ -191,8 +191,8 @@ _qkernels = {}
 def pack8_factory():
     """pack8(a, base, inv): 8 fp32 a[base:base+8] * inv -> 8 int8 (round half up, clamp +-127) in
     one int64 word, lowest element in the low byte (the format's rounding; qk_norm_rope's too)."""
-    from .. import intrinsics as ik
-    wrap = ik.wrap_i64
+    from .. import device as dv
+    wrap = dv.wrap_i64
 
     @cuda.jit(device=True, inline=True)
     def q1(x, inv):
@@ -214,7 +214,7 @@ def _make_prepass(D, TK=False, KONLY=False):
     the buffer's rows past Lp must be zero, see _scratch8_tiled) for the Hopper wgmma kernel's bulk
     copies -- no separate relayout launch.  KONLY: K alone (grid z = 1; the fused FLUX path takes
     Q8 and its per-token scales from qk_norm_rope's pack)."""
-    from .. import intrinsics as ik
+    from .. import device as dv
     NTH = _QNT
     CH8 = D // 16           # 16-byte int8 chunks per row
     UPG = 16 * CH8          # 8-byte units per 8-row group
@@ -222,14 +222,14 @@ def _make_prepass(D, TK=False, KONLY=False):
     GPI = NTH // UPG        # row groups per unit step
     NW = NTH // 32
     DW8 = D // 8            # int64 words per int8 row
-    RED = ik.RED_SMEM
+    RED = dv.RED_SMEM
     NW2 = NU * 2
     LB = {} if _rt.SIMULATOR else {"launch_bounds": (NTH, _RESIDENT)}
     NRED = 2 * NW * 4
     NPART = NTH * 8
     assert NU >= 1 and NTH % UPG == 0 and D % 16 == 0
     pack8 = pack8_factory()
-    unpack_w, ld2, group_max = ik.unpack_w, ik.ld2, ik.group_max
+    unpack_w, ld2, group_max = dv.unpack_w, dv.ld2, dv.group_max
     ZERO = float32(0)
     TINY = float32(1e-20)
     NSAMP = KMEAN_SAMPLES
