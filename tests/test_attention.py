@@ -428,6 +428,32 @@ def test_attention_8bit_wgmma(L):
     assert rel(out, ref32(q, k, v)) < 3e-2
 
 
+# the int8 wgmma kernel's switches (Int8Config fields; int8_wgmma's header): all off = the kernel before them
+WGMMA_SWITCHES = {"plain": dict(ones=False, tau=0.0, biasacc=False, exp_poly=0), "poly2": dict(exp_poly=2)}
+
+
+@pytest.mark.parametrize("name", list(WGMMA_SWITCHES))
+def test_attention_8bit_wgmma_switches(name):
+    """A config with other switches builds its own kernel (the config is the build key; V chunk-major
+    only with the ones column) and that variant matches the quantized reference (L = 400: full tiles
+    through the folded softmax, the ring wraps, ragged tail)."""
+    import dataclasses
+    _wgmma_at_d32()
+    B, H, L, D = 1, 1, 400, 32
+    cfg = dataclasses.replace(A.configs.INT8_WGMMA, **WGMMA_SWITCHES[name])
+    kern = A.build(cfg, D, False)
+    assert kern is not A.build(A.configs.INT8_WGMMA, D, False) and kern.v_chunk_major == cfg.ones
+    q, k, v = make(B, H, L, D, seed=19)
+    k = (k + 1.0).to(torch.bfloat16)
+    out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    A.numba_attention_8bit(q, k, v, out=out, config=cfg)
+    assert torch.isfinite(out).all()
+    r8, r = A.attention8_reference(q, k, v), ref32(q, k, v)
+    e8, eq = rel(out, r8), rel(r8, r)
+    print(f"8-bit wgmma {name}: vs its reference {e8:.3%} (reference vs fp32 {eq:.3%})")
+    assert e8 < 5e-3 and e8 < eq / 3, (e8, eq)
+
+
 def test_select_and_configs():
     """One select per dtype: the wgmma kernels on sm_90 at head dim 128, the mma kernels elsewhere;
     configs are frozen and reject settings their kernel cannot run."""
@@ -440,6 +466,9 @@ def test_select_and_configs():
     for bad in (lambda: A.Bf16Config("wgmma", rows=128, keys=128, warpgroups=2, stages=3),   # no bulk
                 lambda: A.Bf16Config("mma", rows=40, keys=64),
                 lambda: A.Int8Config("mma", rows=64, keys=128),
+                lambda: A.Int8Config("mma", rows=64, keys=64, ones=False),          # a wgmma-only switch
+                lambda: A.Int8Config("wgmma", rows=128, keys=128, warpgroups=2, stages=4, bulk=True,
+                                     ping_pong=True, exp_poly=3),                  # 16 n-tiles: 3 does not divide
                 lambda: A.Bf16Config("w32", rows=128, keys=32)):
         with pytest.raises((AssertionError, ValueError)):
             bad()
@@ -696,6 +725,25 @@ def test_attention_8bit_qv_pack_hopper_d128(monkeypatch, B, H, L1, L2, masked):
     assert e < 2e-2, e
     e8 = rel(out, A.attention8_reference(q, k, v, mask, q_block=1))   # the pack's per-token Q scales
     assert e8 < 5e-3, (e8, e)
+
+
+@pytest.mark.parametrize("name", list(WGMMA_SWITCHES))
+def test_attention_8bit_wgmma_switches_hopper_d128(name):
+    # the int8 wgmma kernel built with other switches (Int8Config fields) at head dim 128 vs its
+    # quantized reference: the variants the switches select still compute the same attention
+    import dataclasses
+    _hopper_gpu_only("test_attention_8bit_wgmma_switches")
+    B, H, L, D = 1, 2, 1000, 128
+    cfg = dataclasses.replace(A.configs.INT8_WGMMA, **WGMMA_SWITCHES[name])
+    q, k, v = make(B, H, L, D, seed=L + 13)
+    k = (k + 1.0).to(torch.bfloat16)
+    out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    A.numba_attention_8bit(q, k, v, out=out, config=cfg)
+    assert torch.isfinite(out).all()
+    r8, r = A.attention8_reference(q, k, v), ref32(q, k, v)
+    e8, eq = rel(out, r8), rel(r8, r)
+    print(f"8-bit d128 wgmma {name}: vs its reference {e8:.3%} (reference vs fp32 {eq:.3%})")
+    assert e8 < 5e-3 and e8 < eq / 3, (e8, eq)
 
 
 @pytest.mark.parametrize("B,H,L,case,masked,fused", [(1, 2, 1000, "random", False, False),

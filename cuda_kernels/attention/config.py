@@ -43,7 +43,11 @@ class Bf16Config:
 class Int8Config:
     """kind "mma": int8 mma.sync m16n8k32 for S, bf16 m16n8k16 for P V, 64 x 64 tiles (the
     pre-pass's scale granularity).  kind "wgmma": 2 warpgroups on wgmma taking turns (``ping_pong``),
-    ``keys``-key tiles in a ``stages``-deep bulk-copy ring (``bulk``)."""
+    ``keys``-key tiles in a ``stages``-deep bulk-copy ring (``bulk``), and its switches (int8_wgmma's
+    header; the defaults are the kept kernel): ``ones`` (row sums from a ones column of V), ``tau``
+    (rescale threshold, log2 units; 0: the max moves on every increase), ``biasacc`` (S accumulated
+    onto the bits of 1.5 * 2^23), ``exp_poly`` (every exp_poly-th 8-key n-tile's exp2 on the FMA
+    pipe; 0: none).  The mma kernel has no such switches: they keep their defaults there."""
     kind: str
     rows: int
     keys: int
@@ -51,13 +55,19 @@ class Int8Config:
     stages: int = 0
     bulk: bool = False
     ping_pong: bool = False
+    ones: bool = True
+    tau: float = 8.0
+    biasacc: bool = True
+    exp_poly: int = 4
 
     def __post_init__(self):
         if self.kind == "mma":
             assert self.rows == 64 and self.keys == 64 and not (self.bulk or self.ping_pong), self
+            assert (self.ones, self.tau, self.biasacc, self.exp_poly) == (True, 8.0, True, 4), self
         elif self.kind == "wgmma":
             assert self.rows == 128 and self.warpgroups == 2 and self.keys % 64 == 0, self
             assert self.stages >= 3 and self.bulk and self.ping_pong, self
+            assert self.tau >= 0 and self.exp_poly >= 0 and (self.keys // 8) % max(self.exp_poly, 1) == 0, self
         else:
             raise ValueError(f"unknown int8 attention kernel kind {self.kind!r}")
 

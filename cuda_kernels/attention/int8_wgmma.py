@@ -19,14 +19,15 @@ from .tile_kv import _make_ring
 #   ONES + TAU + BIASACC together: 0.459 vs 0.458 without them (neutral alone, each 0.433 vs 0.442 in run 2), but
 #   the polynomial exp2 share gains on top of them only: EXP_POLY = 4 0.4475 ms (kept) vs 0.467 on the plain
 #   kernel; EXP_POLY = 2 0.4755 (more issue slots and 255 registers than the XU time it saves)
-ONES = True         # row sums from a ones column of V: P V on m64n136 (the FADD chains of the softmax gone)
-TAU = 8.0           # rescale threshold in log2 units: the running max moves only when a tile's max exceeds
-                    # it by more than TAU (P <= 2^TAU; bf16 P and fp32 O keep their relative precision)
-BIASACC = True      # S accumulates onto the bits of 1.5 * 2^23: S + 1.5 * 2^23 as fp32 with no I2F (the
-                    # offset FB f + max rounds to fp32: ulp(FB f) / 2 in log2 units per (row, 64 keys) --
-                    # ~3e-5 at f ~ 1e-4, random / FLUX-like scales; ~0.03 at f ~ 0.06, 30x outlier channels)
-EXP_POLY = 4        # every EXP_POLY-th 8-key n-tile's exp2 by a polynomial on the FMA pipe (0: all MUFU):
-                    # the MUFU (XU, 16 per clock per SM) is the softmax's long pole (ncu: XU-bound waits)
+# The switches are fields of the kernel's Int8Config (config.py; defaults = the kept kernel), read by make():
+#   ONES = cfg.ones           row sums from a ones column of V: P V on m64n136 (the FADD chains of the softmax gone)
+#   TAU = cfg.tau             rescale threshold in log2 units: the running max moves only when a tile's max exceeds
+#                             it by more than TAU (P <= 2^TAU; bf16 P and fp32 O keep their relative precision)
+#   BIASACC = cfg.biasacc     S accumulates onto the bits of 1.5 * 2^23: S + 1.5 * 2^23 as fp32 with no I2F (the
+#                             offset FB f + max rounds to fp32: ulp(FB f) / 2 in log2 units per (row, 64 keys) --
+#                             ~3e-5 at f ~ 1e-4, random / FLUX-like scales; ~0.03 at f ~ 0.06, 30x outlier channels)
+#   EXP_POLY = cfg.exp_poly   every EXP_POLY-th 8-key n-tile's exp2 by a polynomial on the FMA pipe (0: all MUFU):
+#                             the MUFU (XU, 16 per clock per SM) is the softmax's long pole (ncu: XU-bound waits)
 # 2^f on [-0.5, 0.5], degree 3 (relative error 7.5e-5; bf16 P rounds at 2^-9)
 _EC = (0.9999281167984009, 0.6932609677314758, 0.24261054396629333, 0.05517132207751274)
 _MAGIC = 12582912.0     # 1.5 * 2^23
@@ -89,8 +90,10 @@ def make(cfg, D, has_mask, QTOK=False):
     its per-64-key scales from the K-only pre-pass (the per-token K scales would cost a scale per
     column: measured 0.80 ms against 0.49 with them read from L1): each thread's two rows get
     their own factors, f(row, half) = q_scale[row] x k_scale[half].
-    cfg: an Int8Config of kind "wgmma" (keys = BN, stages) -> ``Kernel`` (tile_kv = BN)."""
+    cfg: an Int8Config of kind "wgmma" (keys = BN, stages; the switches ones / tau / biasacc / exp_poly)
+    -> ``Kernel`` (tile_kv = BN)."""
     BN, STAGES = cfg.keys, cfg.stages
+    ONES, TAU, BIASACC, EXP_POLY = cfg.ones, cfg.tau, cfg.biasacc, cfg.exp_poly
     NWG = 2
     assert cfg.warpgroups == NWG and cfg.ping_pong and cfg.bulk
     BM = 64 * NWG
