@@ -102,9 +102,13 @@ def test_patch_options():
     assert BACKENDS == ["auto", "torch", "numba"]
     assert CUDA_GRAPHS == ["auto", "off"]
     o = options("stock-order", "off", "sdpa", "torch")
-    assert o == {"profile": "stock-order", "route_norms": False, "attention": "sdpa", "backend": "torch",
-                 "cuda_graph": "auto"}
-    assert options(cuda_graph="off")["cuda_graph"] == "off"
+    assert o.as_dict() == {"profile": "stock-order", "route_norms": False, "attention": "sdpa", "backend": "torch",
+                           "cuda_graph": "auto"}
+    assert options(cuda_graph="off").cuda_graph == "off"
+    assert not o.fused and not o.fast and o.op_policy(["ln_modulate", "attention"]) == (
+        {"*": "torch", "ln_modulate": "torch"}, "comfy")
+    f = options("fast-cached")
+    assert f.fused and f.fast and f.keeps_fp8 and f.gemm_epilogue and f.graphs and hash(f) == hash(options("fast-cached"))
     for bad in (dict(profile="turbo"), dict(attention="flash"), dict(backend="cuda"), dict(cuda_graph="yes")):
         with pytest.raises(ValueError, match="^FluxNumbaPatch: "):
             options(**bad)
