@@ -4,9 +4,8 @@
   y: [N, C, H, W] bf16 channels_last (a convolution's output computed without its bias);
   bias [C] bf16 or fp32; residual None or a tensor like y.  y becomes y + bias (+ residual) and is
   returned.  Why: torch's cuDNN convolution adds its bias in a separate broadcast kernel
-  (``elementwise_kernel<128, 4>``, not vectorised: 6.1 ms for the FLUX decoder's 39 convolutions at
-  1024^2, H200 2026-12-01 decoder run a, against ~1.9 ms of bytes), and a ResnetBlock then adds the residual in one
-  more pass (1.0 ms).  Here both are one pass at copy bandwidth, and the sum is rounded once (fp32
+  (``elementwise_kernel<128, 4>``, not vectorised: ~3x its bytes' floor over the FLUX decoder's 39
+  convolutions, BENCHMARKS.md VAE decoder), and a ResnetBlock then adds the residual in one more pass.  Here both are one pass at copy bandwidth, and the sum is rounded once (fp32
   y + bias + residual -> bf16; stock rounds after the bias and again after the residual: the
   reference does the same).
 

@@ -37,17 +37,17 @@ Bytes moved: read x twice + write y once = 3 * numel * itemsize (+ tiny partials
   The FLUX decoder runs 30 calls per decode (2 per ResnetBlock x 14, norm_out, one silu=False
   for the mid attention): x sizes sum to 3.5 GB, i.e. 10.5 GB traffic, floor ~2.85 ms.
 
-Why the previous version (run 5) was slow, and predictions for this one (H200):
+Why the previous version was slow, and predictions for this one (H200):
   * host: 292 us/call (two lazily typed numba launches, 2-3 as_cuda_array, a partials cache
     lookup) -> now ~40-60 us/call (two fast-path launches ~15 us each, 2 torch.empty, views,
     the registry's check).  Small shapes were host-bound: 512x128^2 0.54 ms -> expect
     <= 0.06 ms per call with events around a single call, ~0.02-0.03 ms device time.
   * device, big shapes: ptxas (sm_90) said 47 / 56 registers for the old stats / normalize
     kernels -> 5 / 4 blocks of 256 per SM with 32 B in flight per thread = 32-40 KB per SM
-    (run 5's split said stats 2.07 / normalize 2.44 TB/s, but it timed single calls, host
+    (the old split said stats 2.07 / normalize 2.44 TB/s, but it timed single calls, host
     launch latency included, so the device rate is unknown).  Now
     64 B per thread in flight (16-byte loads, 4 per thread) with the register counts in
-    ``PTXAS`` below -> 64-96 KB per SM.  Caveat: run 5's per-shape table timed ONE call between
+    ``PTXAS`` below -> 64-96 KB per SM.  Caveat: the old per-shape table timed ONE call between
     events, i.e. mostly host latency; its profiler total (3.2 ms of GroupNorm kernels for
     10.5 GB in the decoder, ~3.3 TB/s) says the old kernels were already near 85% of copy on
     the big shapes.  Prediction (device time, bench/gpu_vae.py "dev ms"): stats ~3.4 TB/s,

@@ -30,7 +30,7 @@ Numba backend, two launches through ``launching.Launcher`` (launch plan cached p
      a = rstd gamma_c, b = beta_c - mean a, fp32 [2, N, C].  (One block per sample does this, not
      every block of the next kernel: tag ``gn-nhwc-merged-coef-v1`` measured that 2.4-3.6x slower;
      not a third launch either: the decoder's 128^2 stage is host-bound.  S <= 256 keeps that
-     merge short: with up to 1024 chunks it cost 30-80 us per call, H200 2026-12-01 decoder run g.)
+     merge short: with up to 1024 chunks it cost tens of us per call, BENCHMARKS.md VAE decoder.)
   2. ``gnh_norm``: a grid-stride stream over the 16-byte vectors of x, backwards (the tail of x the
      statistics pass left in L2 is re-read first); the grid stride is a multiple of C/8, so each
      thread's column -- and its 8 (a, b) pairs, registers -- never changes within a sample:

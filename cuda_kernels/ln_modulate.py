@@ -70,8 +70,8 @@ registry.register(OP, reference, doc=__doc__)
 MAX_THREADS = 1024
 # words per thread for each (word width VEC, words per access VW); shared with gated_residual.
 # (4, 2): 8 words = 32 bf16 (four 16-byte loads per tensor) -- measured on the H200 at C=3072:
-# ln_modulate 23.1 us vs 28.9 with 4 words, gated_residual_ln_modulate 32.9 vs 38.7,
-# gated_residual 19.5 vs 21.2 (run 7).
+# faster than 4 words for ln_modulate, gated_residual_ln_modulate and gated_residual (BENCHMARKS.md,
+# row kernels).
 NW_FOR = {(4, 2): 8, (4, 1): 4, (1, 1): 16}
 
 
@@ -292,8 +292,8 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0, FP8=0):
 
 # 16-byte rows: the pipelined kernel with PIPE_BLOCKS[GATED] blocks per SM (what fits by
 # registers: 76 registers x 96 threads -> 8); 0 = the one-row kernel.  Measured on the H200
-# (run 11-29 #3, img rows): LN 20.0 us pipelined (8/SM) vs 20.9 one-row; the gated variant
-# pipelined (95 registers, 4-12 blocks/SM) 35.8-40.5 us vs 32.4 one-row: off.
+# (img rows): LN a little faster pipelined (8/SM) than one-row; the gated variant pipelined
+# (95 registers, 4-12 blocks/SM) slower than one-row: off.
 PIPE_BLOCKS = {0: 8, 1: 0}  # (benchmarks and tests set other values)
 
 

@@ -84,7 +84,7 @@ def reference(parts, pe, num_heads: int, eps: float = 1e-6, quant8: bool = False
 
 # The host's own RoPE for the torch reference path (ComfyUI: comfy.ldm.flux.math.apply_rope, i.e.
 # comfy-kitchen's kernel).  Same function as apply_rope1 -- but a plain-torch fp32 RoPE makes ~10
-# passes over q and k, 13 ms per FLUX step slower than stock on an H200 (run 1), so the pack's
+# passes over q and k, ~10 ms per FLUX step slower than stock (BENCHMARKS.md, FLUX step), so the pack's
 # "torch" path would not be the stock baseline it claims to be.  None = plain torch (tests).
 _stock_rope = None
 
@@ -607,7 +607,7 @@ def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6, quant8: boo
     dev = qkv0.device
     # q, k, v are returned as [B, H, L, D] views of a [3, B, L, H, D] buffer: attention's output then
     # comes back in [B, L, H, D] order (cuDNN/flash allocate it in the query's stride order), so
-    # its reshape to [B, L, H*D] is free instead of a 28 MB copy per block (run 8: 3.6 ms/step).
+    # its reshape to [B, L, H*D] is free instead of a 28 MB copy per block (a few ms per step).
     out = torch.empty((3, B, Ltot, H, D), dtype=qkv0.dtype, device=dev).permute(0, 1, 3, 2, 4)
     a0 = launching.words(qkv0)
     a1 = launching.words(parts[1][0]) if len(parts) > 1 else a0

@@ -360,8 +360,8 @@ class OpRegistry:
 
         The calls are queued behind a ~2 ms GPU sleep, so the device runs them back to back while
         the host is still launching: the events then bracket device work only.  (Timing one call
-        at a time between events counts the host's launch latency as device time -- run 3 of the
-        benchmark picked torch over faster Numba kernels that way.)  With the forward replayed as
+        at a time between events counts the host's launch latency as device time -- a benchmark
+        once picked torch over faster Numba kernels that way.)  With the forward replayed as
         a CUDA graph, host cost is gone, so device time is the right criterion."""
         import torch
 

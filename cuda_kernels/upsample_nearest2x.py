@@ -4,8 +4,8 @@
   x: [N, C, H, W] in channels_last memory, any dtype with C * itemsize a multiple of 16 bytes;
   returns [N, C, 2H, 2W] channels_last = ``F.interpolate(x, scale_factor=2.0, mode="nearest")``
   (a pure copy: bit-exact).  torch's own NHWC kernel (``upsample_nearest2d_nhwc_out_frame``)
-  measured 2.74 ms for the FLUX decoder's three upsamples (H200, 2026-12-01, BENCHMARKS decoder run d) against a ~0.3 ms
-  floor; its NCHW kernel is what stock runs.
+  runs the FLUX decoder's three upsamples ~9x slower than their copy floor (BENCHMARKS.md, VAE
+  decoder); its NCHW kernel is what stock runs.
 
 Numba backend, one launch: block = one input pixel row (n, h), grid-strided over the N H rows;
 thread = 16-byte vectors i of the row (pixel i // CC, column i % CC, CC = C itemsize / 16 a

@@ -6,7 +6,7 @@
   ComfyUI's ``pytorch_attention`` computes (``F.scaled_dot_product_attention`` over [B, 1, HW, C]).
   Why not SDPA: at head dim 512 neither cuDNN's nor the flash kernel applies, and the
   mem-efficient kernel torch falls back to (``fmha_cutlassF_bf16_aligned_32x128_gmem_sm80``) takes
-  3.6 ms at 1024^2 for 550 GFLOP (150 TFLOP/s; H200, 2026-12-01, BENCHMARKS NHWC decoder runs a-b) -- the largest single kernel of the
+  ~150 TFLOP/s at 1024^2 (BENCHMARKS.md, NHWC decoder) -- the largest single kernel of the
   NHWC decoder after the convolutions.
 
 Backend "numba": the scores in query chunks, as GEMMs at tensor-core rate plus one Numba pass:

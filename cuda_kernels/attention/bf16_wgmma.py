@@ -2,7 +2,7 @@
 
 Q in registers (A fragments), K / V from shared memory through no-swizzle descriptors; K and V
 re-laid out once per call by ``tile_kv`` and moved one tile per bulk copy (the per-thread cp.async
-loads were the limiter: BENCHMARKS.md, 2026-11-29 attention ablations); S(j+1) issued with P(j) V(j); a phantom S
+loads were the limiter: BENCHMARKS.md, attention ablations); S(j+1) issued with P(j) V(j); a phantom S
 after the last tile keeps every wgmma group outside a branch (ptxas serializes them otherwise)."""
 from .. import runtime as _rt
 from .launch import cuda, int32, int64, float32, _mma

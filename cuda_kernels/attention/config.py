@@ -10,7 +10,7 @@ nothing is read from the environment.
 Kernel families retired at tag ``attention-variants-pre-retire`` (correct, measured slower, the
 default on no GPU): one comment line each inside ``select_bf16`` / ``select_int8``.  The ablation
 flags (loads / softmax / P V / barrier / fence switched off) went with them; their numbers stay
-in BENCHMARKS.md (2026-11-29 attention sections) and the tag reproduces them.
+in BENCHMARKS.md (the attention section's history) and the tag reproduces them.
 """
 from dataclasses import dataclass
 
@@ -79,8 +79,8 @@ INT8_WGMMA = Int8Config("wgmma", rows=128, keys=128, warpgroups=2, stages=4, bul
 
 
 def wgmma_ok(cc, D, simulator=False):
-    """wgmma runs on sm_90 only; on the GPU at head dim 128 only: the H200 run of 2026-11-29 gave
-    ~80% error at D=64 (L=16384), cause not found (the simulator's emulation passes D=32 / 64)."""
+    """wgmma runs on sm_90 only; on the GPU at head dim 128 only: on the H200 it gave ~80% error at
+    D=64 (L=16384), cause not found (the simulator's emulation passes D=32 / 64)."""
     return simulator or (cc[0] == 9 and D == 128)
 
 
@@ -108,19 +108,18 @@ def select_int8(cc, D):
     #   wgbpf (int32-direct softmax, FS): 0.492-0.498 ms vs 0.487 (more registers: 254 vs 226)
     #   per-token K scales in the wgmma kernel: op 0.855 ms (spills) vs per-64-key scales 0.617
     #   torch pre-pass (the former environment knob): 1.11 ms vs the one-launch Numba pre-pass 0.091
-    # (tag attention-pv8-e4m3 = 722d0cf; H200, 2026-12-02 night runs 2-3, same process as the kept kernel):
+    # (tag attention-pv8-e4m3 = 722d0cf; H200, same process as the kept kernel):
     #   e4m3 P V on wgmma (P x 448, tile_v8t's e4m3 V^T, per-channel V scales): kernel 0.487-0.502 ms vs
     #   0.486-0.494, error 3.9% vs 1.26% (e4m3's 3-bit mantissa on P and V: 3.6% on random inputs in fp32
     #   emulation -- the 2% bar cannot hold with fp8 P V); S's int32 -> fp32 by the magic bias instead of
     #   I2F: 0.494 vs 0.486 (more instructions: the loop is not I2F-throughput-bound)
-    # not built: u8 P x s8 V^T on wgmma, P scaled per row and 128-key tile, each tile's int32 P V scaled into
-    #   the fp32 accumulator -- 1.65-1.70% error in emulation (bench/attn8_pv_error.py, 2026-12-03), but a second
-    #   68-register accumulator beside today's 236 registers needs a producer / consumer split (setmaxnreg)
+    # not built yet: u8 P x s8 V^T on wgmma (torch reference: int8_pv_ref.py), P scaled per row and 64-key
+    #   group, each group's int32 P V scaled into the fp32 accumulator -- under 2% error in emulation, but a
+    #   second 68-register accumulator beside today's 236 registers needs a producer / consumer split (setmaxnreg)
     if wgmma_ok(cc, D):
-        # kernel 0.448-0.458 ms vs 0.474-0.479 for the kernel before (32-bit ring counters, ones column,
-        # rescale threshold, biased S, a quarter of the exp2 on the FMA pipe: int8_wgmma's header; 2026-12-02
-        # late night runs 3-4); op 0.520 ms with the pre-pass, 0.477 fed by qk_norm_rope's "qv" pack (Q8 + V's
-        # tile image) vs cuDNN 0.451 on the same tensors (2026-12-03 run 3); mma 0.89-0.91
+        # the kept kernel (32-bit ring counters, ones column, rescale threshold, biased S, a quarter of the
+        # exp2 on the FMA pipe: int8_wgmma's header); fed by qk_norm_rope's "qv" pack (Q8 + V's tile image)
+        # it is still a little slower than cuDNN on the same tensors (BENCHMARKS.md, Attention); mma ~2x slower
         return INT8_WGMMA
     # elsewhere: int8 mma.sync -- op 0.903 ms (pre-pass 0.091 + kernel), error 1.26%
     return INT8_MMA

@@ -13,12 +13,11 @@ from .softmax import _make_softmax
 from .tile_kv import _make_ring
 
 
-# Measured choices (H200, [1,24,4608,128], kernel alone, bench/gpu_attn_ab.py: every variant in one process,
-# 7 interleaved rounds; 2026-12-02 late night run 3, BENCHMARKS.md "Attention"):
-#   the loop's ring bookkeeping on incremented 32-bit counters (no int64 division / modulo): 0.473 -> 0.433-0.442
-#   ONES + TAU + BIASACC together: 0.459 vs 0.458 without them (neutral alone, each 0.433 vs 0.442 in run 2), but
-#   the polynomial exp2 share gains on top of them only: EXP_POLY = 4 0.4475 ms (kept) vs 0.467 on the plain
-#   kernel; EXP_POLY = 2 0.4755 (more issue slots and 255 registers than the XU time it saves)
+# Measured choices ([1,24,4608,128], kernel alone, bench/gpu_attn_ab.py: every variant in one process,
+# interleaved rounds; numbers in BENCHMARKS.md "Attention"):
+#   the loop's ring bookkeeping on incremented 32-bit counters (no int64 division / modulo): ~9% faster
+#   ONES + TAU + BIASACC: neutral alone and together, but the polynomial exp2 share gains on top of them
+#   only: EXP_POLY = 4 kept; EXP_POLY = 2 is slower (more issue slots and 255 registers than the XU time it saves)
 # The switches are fields of the kernel's Int8Config (config.py; defaults = the kept kernel), read by make():
 #   ONES = cfg.ones           row sums from a ones column of V: P V on m64n136 (the FADD chains of the softmax gone)
 #   TAU = cfg.tau             rescale threshold in log2 units: the running max moves only when a tile's max exceeds
