@@ -373,6 +373,16 @@ def _gate(launcher=None):
         log.warning("[flux_numba] background kernel build still running after %.0f s; compiling here", WAIT_LIMIT_S)
 
 
+def with_index(device, current_index: Callable[[], int]):
+    """``device`` as a torch.device with its CUDA index (None or "cuda" -> the current one):
+    ``torch.cuda.set_device`` refuses a CUDA device without an index."""
+    import torch
+    d = torch.device("cuda") if device is None else torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", current_index())
+    return d
+
+
 def start(device=None, workers=None, ops=None) -> Optional[Build]:
     """Start the background build for ``device`` (torch's current CUDA device) once per process;
     None where there is nothing to do (no CUDA GPU, numba unusable, the simulator, ``ENABLED``
@@ -386,9 +396,7 @@ def start(device=None, workers=None, ops=None) -> Optional[Build]:
     if not torch.cuda.is_available():
         return None
     from .registry import registry
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    _build = Build(device, workers, ops)
+    _build = Build(with_index(device, torch.cuda.current_device), workers, ops)
     launching.compile_gate = _gate
     registry.pending = _build.pending
     _build.thread.start()

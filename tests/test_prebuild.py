@@ -115,6 +115,20 @@ def test_start_declines_without_a_gpu():
     assert launching.compile_gate is launching._no_gate or prebuild.current() is None
 
 
+def test_build_device_gets_its_cuda_index():
+    # torch.cuda.set_device refuses torch.device("cuda") (no index): bench.py's --device auto passed one,
+    # and the background build failed on the GPU before it planned anything
+    calls = []
+    cur = lambda: calls.append(1) or 3
+    assert prebuild.with_index("cuda", cur) == torch.device("cuda", 3)
+    assert prebuild.with_index(None, cur) == torch.device("cuda", 3)
+    assert prebuild.with_index(torch.device("cuda"), cur) == torch.device("cuda", 3)
+    assert len(calls) == 3
+    assert prebuild.with_index("cuda:1", cur) == torch.device("cuda", 1)
+    assert prebuild.with_index("cpu", cur) == torch.device("cpu")
+    assert len(calls) == 3  # asked only where the index is missing
+
+
 def _plan_file(tmp_path, jobs, cc=(9, 0)):
     plan = {"package": "flux_numba_pack", "root": ROOT, "cc": list(cc), "jobs": jobs}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
