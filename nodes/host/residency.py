@@ -101,7 +101,17 @@ def _freezes_per_call_work(m) -> bool:
     DynamicVRAM staging (comfy-aimdo vbar weights) and weight / bias functions (on-the-fly LoRA,
     low-VRAM patches).  A plain cast of weights resident on the device (fp8 storage with ComfyUI's
     manual_cast ops) is ordinary device work at fixed addresses and is captured like any op."""
-    return "_v" in m.__dict__ or _has_weight_functions(m)   # (ComfyUI sets ``m._v`` as a plain attribute)
+    return "_v" in m.__dict__ or _has_weight_functions(m) or _tensor_patches(m)  # (ComfyUI sets ``m._v`` plainly)
+
+
+def _tensor_patches(m) -> bool:
+    """Patches kept on a weight tensor and applied in each call: ComfyUI-GGUF's LoRA on quantised
+    weights (``GGMLTensor.patches``, moved to the device and merged after dequantising, per call).
+    Only tensor subclasses are asked (a plain Parameter has no such attribute)."""
+    for p in m._parameters.values():
+        if p is not None and type(p) is not torch.nn.Parameter and getattr(p, "patches", None):
+            return True
+    return False
 
 
 def graph_state(module: torch.nn.Module, device: torch.device):
@@ -111,7 +121,8 @@ def graph_state(module: torch.nn.Module, device: torch.device):
     (BENCHMARKS.md, VAE graph section, has the host cost).
     The module tree is walked afresh each call: a swapped submodule changes the addresses too.
     Reasons: weights off ``device`` (low-VRAM offload), per-call weight work
-    (``_freezes_per_call_work``: DynamicVRAM staging, weight functions), already inside a capture.
+    (``_freezes_per_call_work``: DynamicVRAM staging, weight functions, GGUF LoRA patches), already
+    inside a capture.
     The walk stops at the first module with per-call weight work (no key is needed then): under
     DynamicVRAM that is the model's first layer, where the whole walk cost ~1.5-3 ms of host time
     per step -- exposed wherever a wrapper reads the GPU on the host every step (EasyCache)."""
@@ -182,7 +193,8 @@ def block_residency(blk, device, epoch, skip=frozenset(), extra=()):
     (``comfy.model_prefetch``) check residency; the caller unpins them (``release_pins``) once the
     block's work is queued.  A fault that finds no room (streamed weights) -> None.  Other
     parameters must be on ``device`` (else: offloaded -> None); weight / bias functions (on-the-fly
-    LoRA) -> None (a graph would freeze them).  ``skip``: ids of modules the call does not read
+    LoRA) and patches kept on quantised weight tensors (ComfyUI-GGUF's LoRA) -> None (a graph would
+    freeze them, and their per-call host-to-device copies cannot be captured).  ``skip``: ids of modules the call does not read
     (Linears served by the fast profile's kept fp8 copy: neither faulted nor checked; their
     copies' identity comes in ``extra``)."""
     if device.type != "cuda":
@@ -199,6 +211,8 @@ def block_residency(blk, device, epoch, skip=frozenset(), extra=()):
         d = m.__dict__
         if _has_weight_functions(m):
             return None, f"weight functions on a {type(m).__name__} (on-the-fly LoRA / patches)", ()
+        if _tensor_patches(m):
+            return None, f"LoRA patches merged per call into a {type(m).__name__}'s quantised weight (GGUF)", ()
         if "_v" in d:
             if vblock is None:
                 allocs.append(d["_v"])
