@@ -1,11 +1,18 @@
-"""GGUF checkpoints (the ComfyUI-GGUF node pack) under ComfyUI itself (the tree at $COMFYUI_PATH, CPU).
+"""Quantised FLUX checkpoints under ComfyUI itself (the tree at $COMFYUI_PATH, CPU): fp8 scaled
+safetensors and GGUF Q8_0 (the ComfyUI-GGUF node pack), as users download them for 12-24 GB cards.
 
-Marked ``comfyui`` (test_comfyui_matrix runs it per tree).  Needs ComfyUI-GGUF's own files -- the
-folder at $COMFYUI_GGUF_PATH or ``.carry/ComfyUI-GGUF`` (ignored; export of city96/ComfyUI-GGUF) --
-and the ``gguf`` package; skips with the reason otherwise.  Direct use::
+Marked ``comfyui`` (test_comfyui_matrix runs it per tree).  The GGUF tests need ComfyUI-GGUF's own
+files -- the folder at $COMFYUI_GGUF_PATH or ``.carry/ComfyUI-GGUF`` (ignored; export of
+city96/ComfyUI-GGUF) -- and the ``gguf`` package; they skip with the reason otherwise.  Direct use::
 
-    COMFYUI_PATH=.carry/ComfyUI-0.33.0 /work/venv-comfy/bin/python -m pytest -q tests/test_comfyui_gguf.py
+    COMFYUI_PATH=.carry/ComfyUI-0.33.0 /work/venv-comfy/bin/python -m pytest -q tests/test_comfyui_quant.py
 
+fp8 scaled: the file bench/server_quant.py writes for the server benchmark (block weights e4m3 with a
+``scale_weight`` each and the ``scaled_fp8`` marker), loaded by ComfyUI's own ``load_diffusion_model``
+(v0.33 turns it into ``comfy_quant`` layers); exact equals stock, the fast profile takes the stored
+e4m3 weights as they are.
+
+GGUF:
 A tiny FLUX is written as a GGUF file the way ComfyUI-GGUF's tools/convert.py writes one (arch
 "flux", 2-D weights Q8_0 through gguf-py's own quantizer, the rest F32), loaded by ComfyUI-GGUF's
 loader exactly as its UnetLoaderGGUF node does (gguf_sd_loader -> load_diffusion_model_state_dict
@@ -37,12 +44,54 @@ def _why_not():
     return None
 
 
-pytestmark = tc.pytestmark + [pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")]
+pytestmark = tc.pytestmark
+needs_gguf = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
 comfy = tc.comfy
+
+
+def _server_quant():
+    spec = importlib.util.spec_from_file_location("_bench_server_quant", os.path.join(ROOT, "bench", "server_quant.py"))
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
+
+
+def test_fp8_scaled_file_through_comfyui_loader(comfy, tmp_path):
+    """The server benchmark's fp8-scaled file, loaded by ComfyUI's loader: every block GEMM weight
+    stored e4m3 with its scale; FluxNumbaPatch exact == stock (ComfyUI's quantised Linear called),
+    the fast profile's blocks read the stored fp8 weights (fp8_stored_block)."""
+    import comfy.sd
+    from safetensors.torch import save_file
+    from flux_numba_pack.flux_core import random_state_dict
+    from flux_numba_pack.nodes.host import flux as host
+    src = str(tmp_path / "tiny.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in random_state_dict(gguf_config(), 4).items()}, src)
+    path = _server_quant().write_fp8_scaled(src)
+    with torch.inference_mode():
+        try:
+            mp = comfy.sd.load_diffusion_model(path)
+        except ValueError as e:  # v0.8.0 reads 24 heads: FLUX.1's own widths
+            if "num_heads" not in str(e):
+                raise
+            src = str(tmp_path / "full_heads.safetensors")
+            save_file({k: v.to(torch.bfloat16) for k, v in random_state_dict(gguf_config(True), 4).items()}, src)
+            mp = comfy.sd.load_diffusion_model(_server_quant().write_fp8_scaled(src))
+    dm = mp.model.diffusion_model
+    assert host.fp8_stored_block("double", dm.double_blocks[0]) and host.fp8_stored_block("single", dm.single_blocks[0])
+    dt = dm.img_in.weight.dtype  # the compute dtype ComfyUI picked for this device (bf16 / fp32 on CPU)
+    inp = _inputs(dt)
+    stock = forward(mp, inp)
+    pm, = Patch().patch(mp, backend="torch", profile="exact")
+    got = forward(pm, inp)
+    st = patch_stats(pm)
+    assert st["calls"] > 0 and st["fallbacks"] == 0, st
+    assert rel_err(got, stock) < 2e-2, rel_err(got, stock)
 
 
 @pytest.fixture(scope="module")
 def gguf_pack(comfy):
+    if _why_not():
+        pytest.skip(_why_not())
     """ComfyUI-GGUF imported as ComfyUI imports a custom node folder (a package of its own name)."""
     name = "ComfyUI_GGUF_under_test"
     if name not in sys.modules:
@@ -115,6 +164,7 @@ def gguf_model(comfy, gguf_pack, tmp_path_factory):
                 raise
 
 
+@needs_gguf
 def test_gguf_file_loads_as_comfyui_gguf_quantised_linears(gguf_model, gguf_pack):
     mp, quantised = gguf_model
     dm = mp.model.diffusion_model
@@ -124,6 +174,7 @@ def test_gguf_file_loads_as_comfyui_gguf_quantised_linears(gguf_model, gguf_pack
     assert gguf_pack["ops"].GGMLLayer.is_ggml_quantized(qkv)
 
 
+@needs_gguf
 def test_gguf_exact_equals_stock_with_fused_ops_around_gguf_linears(gguf_model, gguf_pack, caplog):
     """Exact: the pack's blocks run (no fallback) and give stock's output (torch backend: fp32 sums
     in another order, so 1e-5 of the output)."""
@@ -141,6 +192,7 @@ def test_gguf_exact_equals_stock_with_fused_ops_around_gguf_linears(gguf_model, 
     assert torch.equal(forward(mp, inp), stock)  # the unpatched model is untouched
 
 
+@needs_gguf
 def test_gguf_fast_keeps_gguf_linears(gguf_model, monkeypatch):
     """Fast profiles: the quantised GGUF GEMMs are not fp8 operands (no fp8 hand-off of Q8_0 bytes);
     the result stays close to stock."""
@@ -156,6 +208,7 @@ def test_gguf_fast_keeps_gguf_linears(gguf_model, monkeypatch):
     w.release()
 
 
+@needs_gguf
 def test_gguf_lora_patches_run_per_call_and_are_never_captured(gguf_model):
     """A LoRA on a GGUF model (ComfyUI-GGUF keeps it on the quantised tensor, ``weight.patches``,
     merged after dequantising in each call): exact still equals stock with the LoRA, and the
