@@ -15,7 +15,10 @@ node stands in for the text encoders (T5-XXL is 4.7 B parameters).  The FLUX.1 f
 suffixes (graph()): ``_schnell`` / ``_fill`` load their own random checkpoint and ``_cn`` a random
 ControlNet, each made from --weights' tensors once, next to it; ``_kontext`` (a reference latent) and
 ``_redux`` (Redux's 985-token context) change the conditioning.  Each pack case's PSNR is taken
-against the stock case of the same family members (stock_schnell for patched_schnell).
+against the stock case of the same family members (stock_schnell for patched_schnell).  Quantised
+checkpoints of --weights (bench/server_quant.py, written next to it once): ``_fp8s`` an fp8-scaled
+safetensors (UNETLoader), ``_gguf`` a Q8_0 GGUF loaded by ComfyUI-GGUF's UnetLoaderGGUF (the node
+pack from --gguf-pack, installed into the server's custom_nodes; needs the gguf package).
 
     python bench/gpu_server.py --comfy .carry/ComfyUI-0.8.0 --flags= --flags="--reserve-vram 118" \
         --cases stock,patched,easycache,lazycache --steps 28 --res 1024 --json $OUT/server.json
@@ -51,6 +54,9 @@ import urllib.request
 import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from server_quant import gguf_file, planned_bytes, scaled_fp8_file, write_fp8_scaled, write_gguf_q8_0  # noqa: E402
+GGUF_PACK = os.environ.get("COMFYUI_GGUF_PATH") or os.path.join(ROOT, ".gpu", "ComfyUI-GGUF")
 
 COND_NODE = '''
 import torch
@@ -511,6 +517,8 @@ def write_lora(path, seed=1):
 
 # ---------------------------------------------------------------- the FLUX.1 family (case suffixes)
 FAMILIES = ("schnell", "kontext", "fill", "redux", "cn")
+QUANTS = ("fp8s", "gguf")  # quantised checkpoints of --weights (bench/server_quant.py): fp8 scaled, GGUF Q8_0
+QUANT_RE = re.compile(r"_(fp8s|gguf)(?=_|$)")
 FAMILY_RE = re.compile(r"_(schnell|kontext|fill|redux|cn)(?=_|$)")
 FAMILY_FILES = ("schnell", "fill", "cn")  # the members with weights of their own, written next to --weights
 SCHNELL_STEPS = 4        # FLUX.1-schnell is a 4-step model: its cases override --steps
@@ -791,7 +799,8 @@ BASES = ("stock", "patched", "patched_fast", "patched_fast_cached", "easycache",
 PATCHED_BASES = ("patched", "patched_fast", "patched_fast_cached", "easycache", "lazycache")
 CASE_GRAMMAR = ("one of " + ", ".join(BASES) + " (or " + ", ".join(VAE_CASES) + ") with optional suffixes _t<x> "
                 "(cache cases), _sdpa, _eager, _fp8, _lora[b][<strength>] in that order, and family members "
-                + ", ".join("_" + f for f in FAMILIES) + " anywhere after the base (not _schnell with _fill)")
+                + ", ".join("_" + f for f in FAMILIES) + " anywhere after the base (not _schnell with _fill), "
+                "one quantised checkpoint _fp8s / _gguf anywhere after the base (not with _fp8, _schnell, _fill)")
 
 
 def parse_case(case):
@@ -806,13 +815,18 @@ def parse_case(case):
         raise ValueError(f"case {case!r}: a family suffix twice")
     if "schnell" in found and "fill" in found:
         raise ValueError(f"case {case!r}: _schnell and _fill are two checkpoints; one of them per case")
-    rest = FAMILY_RE.sub("", case)
+    quants = QUANT_RE.findall(case)
+    if len(quants) > 1:
+        raise ValueError(f"case {case!r}: one quantised checkpoint (_fp8s or _gguf) per case")
+    if quants and ("schnell" in found or "fill" in found):
+        raise ValueError(f"case {case!r}: _{quants[0]} is made from --weights (dev), not from the _schnell / _fill file")
+    rest = QUANT_RE.sub("", FAMILY_RE.sub("", case))
     try:
         rest, lora, lora_before, lora_strength = split_lora(rest)
     except ValueError:
         raise ValueError(f"case {case!r}: a LoRA strength that is no number") from None
     out = {"families": tuple(f for f in FAMILIES if f in found), "lora": lora, "lora_before": lora_before,
-           "lora_strength": lora_strength, "vae": False}
+           "lora_strength": lora_strength, "vae": False, "quant": quants[0] if quants else None}
     for flag in ("fp8", "eager", "sdpa"):
         out[flag] = rest.endswith("_" + flag)
         rest = rest[: -len(flag) - 1] if out[flag] else rest
@@ -822,6 +836,8 @@ def parse_case(case):
     except ValueError:
         raise ValueError(f"case {case!r}: a cache threshold _t<x> that is no number") from None
     rest = thr.group(1) if thr else rest
+    if out["fp8"] and out["quant"]:
+        raise ValueError(f"case {case!r}: _fp8 (weight_dtype fp8_e4m3fn) with a quantised checkpoint _{out['quant']}")
     if rest not in BASES:
         raise ValueError(f"unknown case {case!r}: a case is {CASE_GRAMMAR}")
     out["base"] = rest
@@ -875,12 +891,14 @@ def graph(case, steps, res, seed, unet, vae, cond_dims=(4096, 768), prefix="", s
     patched = base in PATCHED_BASES
     profile = {"patched_fast": "fast", "patched_fast_cached": "fast-cached"}.get(base, "exact")
     unet_name = (family_file(unet, "schnell") if "schnell" in fams else
-                 family_file(unet, "fill") if "fill" in fams else unet)
+                 family_file(unet, "fill") if "fill" in fams else
+                 scaled_fp8_file(unet) if c["quant"] == "fp8s" else gguf_file(unet) if c["quant"] == "gguf" else unet)
     if "schnell" in fams:
         steps = SCHNELL_STEPS
     g = {
-        "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name,
-                                                        "weight_dtype": "fp8_e4m3fn" if c["fp8"] else "default"}},
+        "unet": ({"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": unet_name}} if c["quant"] == "gguf" else
+                 {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name,
+                                                         "weight_dtype": "fp8_e4m3fn" if c["fp8"] else "default"}}),
         "cond": {"class_type": "FluxNumbaBenchConditioning", "inputs": {
             "seed": 3, "tokens": 256 + (REDUX_TOKENS if "redux" in fams else 0),
             "context_dim": cond_dims[0], "pooled_dim": cond_dims[1]}},
@@ -958,7 +976,7 @@ def stock_partner(case, cases):
             return None
         if p["vae"]:
             return None
-        return p["fp8"], p["families"], p["lora"].replace("_lorab", "_lora")
+        return p["fp8"], p["families"], p["quant"], p["lora"].replace("_lorab", "_lora")
     k = key(case)
     if k is None:
         return None
@@ -982,8 +1000,10 @@ def run_order(cases, repeat, interleave):
         return [(c, i) for c in cases for i in range(repeat)]
     groups = {}
     for c in cases:
-        fams = () if c in VAE_CASES else parse_case(c)["families"]
-        groups.setdefault("schnell" if "schnell" in fams else "fill" if "fill" in fams else "", []).append(c)
+        pc = {"families": (), "quant": None} if c in VAE_CASES else parse_case(c)
+        fams = pc["families"]
+        groups.setdefault("schnell" if "schnell" in fams else "fill" if "fill" in fams else pc["quant"] or "",
+                          []).append(c)
     return [(c, i) for grp in groups.values() for i in range(repeat) for c in grp]
 
 
@@ -1122,7 +1142,8 @@ def weights_room(weights, cases):
     the members' files next to it) do not fit in --weights' folder (one line), or None.  A full-size
     schnell or fill file is as large as FLUX.1-dev (~24 GB; the ControlNet ~1.5 GB)."""
     fams = family_files_needed(cases)
-    if not fams:
+    quants = sorted({parse_case(c)["quant"] for c in cases if c not in VAE_CASES} - {None})
+    if not fams and not quants:
         return None
     todo = not os.path.exists(weights)
     try:
@@ -1142,6 +1163,11 @@ def weights_room(weights, cases):
         if not (os.path.exists(path) and _family_file_ok(path, plan)):
             need += plan_bytes(plan)
             what.append(os.path.basename(path))
+    for q in quants:
+        path = (scaled_fp8_file if q == "fp8s" else gguf_file)(weights)
+        if not os.path.exists(path):
+            need += planned_bytes(header, q)
+            what.append(os.path.basename(path))
     folder = os.path.dirname(os.path.abspath(weights))
     try:
         free = shutil.disk_usage(folder).free
@@ -1150,7 +1176,7 @@ def weights_room(weights, cases):
     if need and need > free:
         return (f"argument --weights: {need / 1e9:.1f} GB of random weights to write into {folder} "
                 f"({', '.join(what)}), {free / 1e9:.1f} GB free there: --weights in a larger folder, fewer of "
-                f"_schnell / _fill in one call, or --drop-family-files in the call before")
+                f"_schnell / _fill / _fp8s / _gguf in one call, or --drop-family-files in the call before")
     return None
 
 
@@ -1191,6 +1217,12 @@ def check_args(p, a, flag_sets, cases):
     room = weights_room(a.weights, cases)
     if room:
         fail(room)
+    if any(c not in VAE_CASES and parse_case(c)["quant"] == "gguf" for c in cases):
+        if not os.path.isfile(os.path.join(a.gguf_pack, "nodes.py")):
+            fail(f"argument --gguf-pack: no ComfyUI-GGUF at {a.gguf_pack!r} (its nodes.py), needed by the _gguf cases")
+        import importlib.util
+        if importlib.util.find_spec("gguf") is None:
+            fail("the _gguf cases need the gguf package (ComfyUI-GGUF's requirement) in this Python")
 
 
 def main():
@@ -1210,6 +1242,8 @@ def main():
                    "runs 2..N (--no-interleave: each case's runs in a row -- a later run of a case then shows its "
                    "speed without a switch of weights or LoRA before it)")
     p.add_argument("--weights", default="/dev/shm/flux1_dev_random.safetensors")
+    p.add_argument("--gguf-pack", default=GGUF_PACK, help="ComfyUI-GGUF's folder (an export of city96/ComfyUI-GGUF) "
+                   "for _gguf cases (default: $COMFYUI_GGUF_PATH or .gpu/ComfyUI-GGUF)")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--json", help="write all results here")
     p.add_argument("--logs", help="folder to copy each server's log into")
@@ -1222,7 +1256,7 @@ def main():
     p.add_argument("--stock-vae", action="store_true", help="patched cases decode with ComfyUI's own VAE (no "
                    "FluxNumbaVAEPatch): the images' PSNR vs stock then measures the FLUX model's path alone")
     p.add_argument("--drop-family-files", action="store_true", help="at the end remove the family members' "
-                   "weight files this call used (_schnell / _fill / _cn next to --weights): room in /dev/shm for "
+                   "weight files this call used (_schnell / _fill / _cn / _fp8s / _gguf next to --weights): room in /dev/shm for "
                    "the next call's")
     p.add_argument("--cond-dims", default="4096,768", help="text context / pooled widths (a CPU smoke test with "
                    "run.py --write-model --comfy-min weights uses that model's)")
@@ -1252,6 +1286,13 @@ def main():
         wrote = write_family(a.weights, fam)
         print(f"[bench] {fam}: {'wrote' if wrote else 'kept'} {fam_paths[fam]} "
               f"({os.path.getsize(fam_paths[fam]) / 1e9:.2f} GB, {time.time() - t1:.1f} s)", flush=True)
+    quant_paths = {}
+    for q, writer in (("fp8s", write_fp8_scaled), ("gguf", write_gguf_q8_0)):
+        if any(c not in VAE_CASES and parse_case(c)["quant"] == q for c in cases):
+            t1 = time.time()
+            quant_paths[q] = writer(a.weights)
+            print(f"[bench] {q}: {quant_paths[q]} ({os.path.getsize(quant_paths[q]) / 1e9:.2f} GB, "
+                  f"{time.time() - t1:.1f} s)", flush=True)
     write_vae(vae_path, a.python, a.comfy[0], env)
     print(f"[bench] weights ready ({time.time() - t:.1f} s)", flush=True)
 
@@ -1263,6 +1304,8 @@ def main():
             cn = os.path.join(base, "custom_nodes")
             os.makedirs(cn)
             os.symlink(ROOT, os.path.join(cn, "comfyui-flux-numba-kernels"))
+            if "gguf" in quant_paths:
+                os.symlink(os.path.abspath(a.gguf_pack), os.path.join(cn, "ComfyUI-GGUF"))
             with open(os.path.join(cn, "flux_numba_bench_cond.py"), "w") as f:
                 f.write(COND_NODE)
             phases = os.path.join(base, "phases.jsonl")
@@ -1278,7 +1321,9 @@ def main():
             for sub, src in (("diffusion_models", a.weights), ("vae", vae_path), ("loras", lora_path),
                              ("diffusion_models", fam_paths.get("schnell", "")),
                              ("diffusion_models", fam_paths.get("fill", "")),
-                             ("controlnet", fam_paths.get("cn", ""))):
+                             ("controlnet", fam_paths.get("cn", "")),
+                             ("diffusion_models", quant_paths.get("fp8s", "")),
+                             ("diffusion_models", quant_paths.get("gguf", ""))):
                 os.makedirs(os.path.join(base, "models", sub), exist_ok=True)
                 if src and os.path.exists(src):
                     os.symlink(src, os.path.join(base, "models", sub, os.path.basename(src)))
@@ -1375,7 +1420,7 @@ def main():
             if not alive:
                 rows.append((ver, flags or "(default)", "-", "SERVER DIED", "", "", ""))
     if a.drop_family_files:
-        for path in fam_paths.values():
+        for path in list(fam_paths.values()) + list(quant_paths.values()):
             try:
                 os.remove(path)
             except OSError:

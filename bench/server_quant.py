@@ -39,6 +39,23 @@ def _fp8_layer(name, ndim):
     return ndim == 2 and name.endswith(".weight") and (name.startswith("double_blocks.") or name.startswith("single_blocks."))
 
 
+def planned_bytes(header, kind):
+    """About how many bytes the ``kind`` ("fp8s" / "gguf") file of a safetensors header
+    ({name: {dtype, shape, data_offsets}}) takes (the weights_room check before writing)."""
+    import math
+    n = 0
+    for k, v in header.items():
+        shape, size = v["shape"], v["data_offsets"][1] - v["data_offsets"][0]
+        numel = math.prod(shape)
+        if kind == "fp8s":
+            n += numel + 4 if _fp8_layer(k, len(shape)) else size
+        elif len(shape) == 2 and numel > QUANTIZATION_THRESHOLD and shape[-1] % Q8_0_BLOCK == 0:
+            n += numel // Q8_0_BLOCK * 34
+        else:
+            n += 4 * numel
+    return n
+
+
 def write_fp8_scaled(weights, path=None):
     """The fp8-scaled checkpoint of ``weights`` (path: ``scaled_fp8_file``); returns the path."""
     import torch

@@ -255,3 +255,44 @@ def test_interleave_groups_cases_by_checkpoint(gs):
     plain = ["stock", "patched", "stock_fp8", "patched_fast_fp8", "vae_stock"]
     assert gs.run_order(plain, 2, True) == [(c, i) for i in range(2) for c in plain]
     assert gs.run_order(cases, 2, False) == [(c, i) for c in cases for i in range(2)]
+
+
+def test_quantised_checkpoint_cases(gs):
+    """_fp8s / _gguf: the quantised files of --weights (bench/server_quant.py) -- UNETLoader of the
+    fp8-scaled file (weight_dtype default), ComfyUI-GGUF's UnetLoaderGGUF of the Q8_0 file; their own
+    stock partner and checkpoint group; refused with _fp8 or a member with a file of its own."""
+    g = build(gs, "patched_fast_cached_fp8s")
+    assert node(g, "UNETLoader")["inputs"] == {"unet_name": "flux1_dev_random_fp8_scaled.safetensors",
+                                               "weight_dtype": "default"}
+    g = build(gs, "patched_gguf_lora")
+    assert node(g, "UnetLoaderGGUF")["inputs"] == {"unet_name": "flux1_dev_random_Q8_0.gguf"}
+    assert "UNETLoader" not in classes(g) and node(g, "FluxNumbaPatch")["inputs"]["profile"] == "exact"
+    assert node(g, "LoraLoaderModelOnly")["inputs"]["model"] == ["patch", 0]
+    g = build(gs, "stock_kontext_gguf")
+    assert "UnetLoaderGGUF" in classes(g) and "ReferenceLatent" in classes(g)
+    assert gs.parse_case("patched_gguf")["quant"] == "gguf" and gs.parse_case("patched")["quant"] is None
+    cases = ["stock", "patched", "stock_fp8s", "patched_fp8s", "patched_fast_fp8s", "stock_gguf", "patched_gguf",
+             "patched_gguf_lora", "stock_gguf_lora"]
+    assert gs.stock_partner("patched_fast_fp8s", cases) == "stock_fp8s"
+    assert gs.stock_partner("patched_gguf", cases) == "stock_gguf"
+    assert gs.stock_partner("patched_gguf_lora", cases) == "stock_gguf_lora"
+    assert gs.stock_partner("patched", cases) == "stock"
+    order = [c for c, i in gs.run_order(cases, 2, True)]
+    assert order[:4] == ["stock", "patched", "stock", "patched"]   # one checkpoint's cases together
+    assert order[4:10] == ["stock_fp8s", "patched_fp8s", "patched_fast_fp8s"] * 2
+    for bad, why in (("patched_fp8s_gguf", "one quantised checkpoint"), ("stock_gguf_schnell", "made from --weights"),
+                     ("patched_fast_fp8s_fp8", "_fp8 (weight_dtype")):
+        with pytest.raises(ValueError, match=why.replace("(", r"\(")):
+            gs.parse_case(bad)
+
+
+def test_gguf_cases_need_the_pack(tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "main.py").write_text("")
+    (tmp_path / "w.safetensors").write_bytes(b"")  # present: nothing to generate on a GPU
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_server.py"), "--comfy", str(tree),
+                        "--cases", "stock_gguf", "--gguf-pack", str(tmp_path / "none"), "--flags=--cpu",
+                        "--weights", str(tmp_path / "w.safetensors")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "argument --gguf-pack: no ComfyUI-GGUF at" in p.stderr, p.stderr

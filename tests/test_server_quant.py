@@ -95,3 +95,17 @@ def test_fp8_scaled_file(tmp_path):
         else:
             assert torch.equal(got.pop(k), v), k
     assert not got
+
+
+@pytest.mark.skipif(not HAVE_GGUF, reason="the gguf package (ComfyUI-GGUF's requirement) is not installed")
+def test_planned_bytes_match_the_files(tmp_path):
+    import json
+    import struct
+    sq = _sq()
+    src, _ = _tiny_file(tmp_path)
+    with open(src, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+    for kind, write in (("fp8s", sq.write_fp8_scaled), ("gguf", sq.write_gguf_q8_0)):
+        size = os.path.getsize(write(src))
+        assert 0.9 * size <= sq.planned_bytes(header, kind) <= size, (kind, size, sq.planned_bytes(header, kind))
