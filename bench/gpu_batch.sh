@@ -52,7 +52,7 @@ for part in ${PARTS:-server033 bench vae}; do
         t1=$(date +%s)
         timeout ${SRVS_T:-200} $S --comfy "$tree" --flags="$flag" --cases "$cases" --repeat "${rep:-2}" --interleave $extra \
           --json "$R/srv_$tag.json" --logs "$R/logs_srv_$tag" > "$R/srv_$tag.txt" 2>&1
-        echo "  server $tag rc=$? $(( $(date +%s) - t1 )) s" >> "$R/parts.txt"
+        echo "  server $tag rc=$? $(( $(date +%s) - t1 )) s; $(free -g | awk 'NR==2{print "host used " $3 " GB of " $2}')" >> "$R/parts.txt"
         tar -czf "$OUT/results.tgz" -C "$OUT" r setup.txt
       done;;
     h2d)
@@ -73,6 +73,7 @@ for part in ${PARTS:-server033 bench vae}; do
     *) echo "unknown part $part" > "$R/$part.txt";;
   esac
   echo "$part rc=$? $(( $(date +%s) - t0 )) s" >> "$R/parts.txt"
+  { free -g | sed -n 2p; df -h /dev/shm | tail -1; } >> "$R/parts.txt" 2>&1  # host memory after each part
   tail -1 "$R/parts.txt"
   tar -czf "$OUT/results.tgz" -C "$OUT" r setup.txt  # after every part: a call cut short keeps what it has
 done

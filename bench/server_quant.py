@@ -57,26 +57,53 @@ def planned_bytes(header, kind):
 
 
 def write_fp8_scaled(weights, path=None):
-    """The fp8-scaled checkpoint of ``weights`` (path: ``scaled_fp8_file``); returns the path."""
+    """The fp8-scaled checkpoint of ``weights`` (path: ``scaled_fp8_file``); returns the path.  Written
+    as it is read: the header from the tensors' shapes, then one tensor at a time."""
+    import json
+    import math
+    import struct
     import torch
     from safetensors import safe_open
-    from safetensors.torch import save_file
     path = path or scaled_fp8_file(weights)
     if os.path.exists(path):
         return path
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    out = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
+    st = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
     with safe_open(weights, "pt", device="cpu") as f:
-        for k in f.keys():
-            t = f.get_tensor(k)
-            if _fp8_layer(k, t.ndim):
-                w = t.to(dev, torch.float32)
-                s = (w.abs().amax() / FP8_MAX).clamp_min(1e-12)
-                out[k] = (w / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).cpu()
-                out[k[: -len("weight")] + "scale_weight"] = s.reshape(()).cpu()
+        names = list(f.keys())
+        plan = [("scaled_fp8", "F8_E4M3", [0], None)]
+        for k in names:
+            sl = f.get_slice(k)
+            shape = list(sl.get_shape())
+            if _fp8_layer(k, len(shape)):
+                plan += [(k, "F8_E4M3", shape, "fp8"), (k[: -len("weight")] + "scale_weight", "F32", [], "scale")]
             else:
-                out[k] = t
-    save_file(out, path + ".tmp")
+                plan.append((k, sl.get_dtype(), shape, "copy"))
+        size = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4}
+        hdr, pos = {}, 0
+        for name, dt, shape, _ in plan:
+            n = size[dt] * math.prod(shape)
+            hdr[name] = {"dtype": dt, "shape": shape, "data_offsets": [pos, pos + n]}
+            pos += n
+        hb = json.dumps(hdr, separators=(",", ":")).encode()
+        hb += b" " * (-len(hb) % 8)
+        with open(path + ".tmp", "wb") as fo:
+            fo.write(struct.pack("<Q", len(hb)) + hb)
+            scale = None
+            for name, dt, shape, how in plan:
+                if how is None:
+                    continue
+                if how == "fp8":
+                    w = f.get_tensor(name).to(dev, torch.float32)
+                    scale = (w.abs().amax() / FP8_MAX).clamp_min(1e-12)
+                    t = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+                elif how == "scale":
+                    t = scale.reshape(())
+                else:
+                    t = f.get_tensor(name)
+                if st.get(t.dtype) != dt:
+                    raise ValueError(f"{name}: {t.dtype} is not the {dt} of the header")
+                fo.write(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     os.replace(path + ".tmp", path)
     return path
 
