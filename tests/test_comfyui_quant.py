@@ -2,7 +2,7 @@
 safetensors and GGUF Q8_0 (the ComfyUI-GGUF node pack), as users download them for 12-24 GB cards.
 
 Marked ``comfyui`` (test_comfyui_matrix runs it per tree).  The GGUF tests need ComfyUI-GGUF's own
-files -- the folder at $COMFYUI_GGUF_PATH or ``.carry/ComfyUI-GGUF`` (ignored; export of
+files -- the folder at $COMFYUI_GGUF_PATH or ``.carry/custom_nodes/ComfyUI-GGUF`` (ignored; export of
 city96/ComfyUI-GGUF) -- and the ``gguf`` package; they skip with the reason otherwise.  Direct use::
 
     COMFYUI_PATH=.carry/ComfyUI-0.33.0 /work/venv-comfy/bin/python -m pytest -q tests/test_comfyui_quant.py
@@ -33,7 +33,7 @@ import test_comfyui as tc
 from test_comfyui import Patch, _inputs, forward, patch_stats, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GGUF_PACK = os.environ.get("COMFYUI_GGUF_PATH") or os.path.join(ROOT, ".carry", "ComfyUI-GGUF")
+GGUF_PACK = os.environ.get("COMFYUI_GGUF_PATH") or os.path.join(ROOT, ".carry", "custom_nodes", "ComfyUI-GGUF")
 
 
 def _why_not():
