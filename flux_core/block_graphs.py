@@ -146,6 +146,7 @@ class BlockGraphs:
         self.failed: Dict[tuple, str] = {}
         self.buffers: "OrderedDict[tuple, StageBuffers]" = OrderedDict()
         self.counts = Counter()  # replay / capture / eager / eager_not_resident / failed
+        self._last_bufs = None   # the stage buffers of the last replay
         self._logged = set()
 
     # ------------------------------------------------------------------ state
@@ -164,20 +165,24 @@ class BlockGraphs:
         self.entries.clear()
         self.seen.clear()
         self.buffers.clear()
+        self._last_bufs = None
         if why:
             log.info("[flux_numba] per-block CUDA graphs dropped: %s", why)
 
     def _buffers(self, stage, inputs):
+        """The stage's static buffers for this signature.  Up to ``max_signatures`` signatures per
+        stage (the double and single stages each have their own: one prompt shape is one signature
+        of each); beyond that the stage's least recently replayed signature and its graphs go."""
         sig = (stage, signature(inputs))
         b = self.buffers.get(sig)
         if b is None:
-            sigs = {k[1] for k in self.buffers}
-            if sig[1] not in sigs and len(sigs) >= self.max_signatures:  # oldest signature's graphs go
-                old = next(iter(self.buffers))[1]
-                for k in [k for k, e in self.entries.items() if e.bufs is not None and k[1] == old]:
+            mine = [k for k in self.buffers if k[0] == stage]
+            if len(mine) >= self.max_signatures:
+                old = self.buffers.pop(mine[0])  # least recently used (replays move theirs to the end)
+                if old is self._last_bufs:
+                    self._last_bufs = None
+                for k in [k for k, e in self.entries.items() if e.bufs is old]:
                     self._release(self.entries.pop(k).graph)
-                for k in [k for k in self.buffers if k[1] == old]:
-                    del self.buffers[k]
             b = self.buffers[sig] = StageBuffers(inputs)
         return b
 
@@ -204,6 +209,9 @@ class BlockGraphs:
         e = self.entries.get(key)
         if e is not None:
             if e.weights == weights:
+                if e.bufs is not self._last_bufs:  # (once per stage and forward: the LRU order of shapes)
+                    self._last_bufs = e.bufs
+                    self.buffers.move_to_end((stage, key[1]))
                 e.bufs.load(inputs)
                 e.graph.replay()
                 registry.replayed(e.usage)

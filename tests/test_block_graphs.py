@@ -152,6 +152,43 @@ def test_signatures_are_bounded_and_drop_frees_everything():
     assert not bg.entries and not bg.buffers and not bg.seen
 
 
+def run_single(bg, key, weights, inp):
+    inp = {k: v for k, v in inp.items() if k != "txt"}
+    want = toy(**{k: (v.clone() if v is not None else None) for k, v in inp.items()})
+    got = bg.call(key, "single", weights, inp, lambda **t: toy(**t), lambda: toy(**inp), outputs=("img",))
+    return got, want
+
+
+def test_signatures_are_bounded_per_stage_least_recently_replayed_first():
+    """A prompt shape is one signature of each stage (double and single blocks): with room for 2 per
+    stage, a workflow alternating two shapes (Redux's longer context, another resolution) keeps both
+    shapes' graphs of both stages -- no re-capture per switch -- and a third shape evicts the least
+    recently replayed one, not the first one made."""
+    rec = Recorder()
+    bg = BlockGraphs(rec, max_signatures=2)
+
+    def forward(L, seed):
+        for b in ("d0", "d1"):
+            got, want = run(bg, b, "W", inputs(seed, L=L))
+            assert same(got, want)
+        for b in ("s0", "s1"):
+            got, want = run_single(bg, b, "W", inputs(seed, L=L))
+            assert same(got, want)
+    for r in range(3):           # two shapes, alternating prompt by prompt
+        forward(6, r)
+        forward(10, r)
+    assert bg.counts["capture"] == 8 and len(bg.entries) == 8
+    forward(6, 7)                # shape 6 is now the most recently replayed
+    n = bg.counts["capture"]
+    for s in range(2):
+        forward(14, 10 + s)      # a third shape: evicts shape 10 (least recent), not shape 6
+    assert bg.counts["capture"] == n + 4 and len(bg.entries) == 8   # (first call eager, second captures)
+    before = bg.counts["capture"]
+    forward(6, 20)
+    assert bg.counts["capture"] == before and bg.counts["replay"] > 0   # shape 6 still replays
+    assert {k[0] for k in bg.buffers} == {"double", "single"} and len(bg.buffers) == 4
+
+
 def test_allowed_is_scoped_per_thread():
     import threading
     assert not is_allowed()
