@@ -46,14 +46,15 @@ class Fp8Copies:
                 return False
         return True
 
-    def drop_fp8_copies(self):
+    def drop_fp8_copies(self, graphs_dropped: bool = False):
         """Free the kept fp8 weight copies, and with them every CUDA graph captured over them (a
-        replay would read freed memory: an illegal address that takes the server down)."""
+        replay would read freed memory: an illegal address that takes the server down);
+        ``graphs_dropped``: the caller has just dropped every graph itself."""
         freed = 0
         for c in self._fp8.values():
             if c is not None:
                 freed += c.clear() or 0
-        if freed:
+        if freed and not graphs_dropped:
             if self.graphs is not None:
                 self.graphs.drop("its fp8 weight copies were freed")
             if self.whole is not None:

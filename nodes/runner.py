@@ -215,7 +215,7 @@ class _Runner(Fp8Copies):
             self.graphs.drop("the model was unloaded")
         if self.whole is not None:
             self.whole.drop()
-        self.drop_fp8_copies()
+        self.drop_fp8_copies(graphs_dropped=True)  # (the graphs over the copies are gone already)
 
     def enable_block_graphs(self, capture_fn=None):
         self.graphs = self._graphs_mod.BlockGraphs(capture_fn)

@@ -168,6 +168,23 @@ def test_freeing_fp8_copies_drops_the_graphs_that_read_them():
         assert not cached.graphs.why and not cached.whole.why
 
 
+def test_unload_drops_graphs_once_and_frees_the_copies():
+    """ComfyUI unloads the model: every graph dropped once (before the copies they read are freed),
+    the kept fp8 copies freed."""
+    class Dropped:
+        def __init__(self):
+            self.why = []
+
+        def drop(self, why=""):
+            self.why.append(why)
+
+    with _kept_copy("cpu", (903, 904)) as (model, cached, exact, f8):
+        cached.graphs, cached.whole = Dropped(), Dropped()
+        cached.unloaded()
+        assert not f8._cache
+        assert cached.graphs.why == ["the model was unloaded"] and cached.whole.why == [""]
+
+
 def test_fp8_copies_stay_while_their_gpu_has_room(monkeypatch):
     """Another patch of the model keeps the fast-cached copies where their GPU has at least
     ``FP8_KEEP_FREE_SHARE`` of its memory free (a switch back replays at once), and frees them below
