@@ -258,7 +258,7 @@ def test_interleave_groups_cases_by_checkpoint(gs):
 
 
 def test_quantised_checkpoint_cases(gs):
-    """_fp8s / _gguf: the quantised files of --weights (bench/server_quant.py) -- UNETLoader of the
+    """_fp8s / _gguf: the quantised files of --weights (bench/_server_quant.py) -- UNETLoader of the
     fp8-scaled file (weight_dtype default), ComfyUI-GGUF's UnetLoaderGGUF of the Q8_0 file; their own
     stock partner and checkpoint group; refused with _fp8 or a member with a file of its own."""
     g = build(gs, "patched_fast_cached_fp8s")
