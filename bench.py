@@ -34,7 +34,6 @@ weights with TF32 off; optional N-step Euler trajectory PSNR against the fp32 tr
 Prints a table last and writes JSON (strict: no NaN/Infinity, a non-finite number is null).
 On a CPU no Numba kernel runs (the harness smoke test): its times are not a speed measurement.
 """
-import argparse
 import gc
 import json
 import os
@@ -42,173 +41,13 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-
-
-def _int_at_least(lo, multiple=1):
-    def check(s):
-        try:
-            v = int(s)
-        except ValueError:
-            v = None
-        if v is None or v < lo or v % multiple:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {lo}"
-                                             + (f" and a multiple of {multiple}" if multiple > 1 else "") + f", got {s!r}")
-        return v
-    return check
-
-
-def _outliers(s):
-    """"N,F" -> (N channels, factor F)."""
-    try:
-        n, f = s.split(",")
-        n, f = int(n), float(f)
-        if n >= 1 and f > 0:
-            return n, f
-    except ValueError:
-        pass
-    raise argparse.ArgumentTypeError(f"expected N,F (channels >= 1, factor > 0), got {s!r}")
-
-
-BASE_VARIANTS = ("stock", "pack-torch", "exact", "exact-sdpa", "bf16-attn", "attn8", "fast", "fast-cached",
-                 "fast-cached-attn8")
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line (no usage block) and exits 2."""
-
-    def error(self, message):
-        self.fail(f"{message} (--help lists the options)")
-
-    def fail(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _device(s):
-    if s in ("auto", "cpu", "cuda") or (s.startswith("cuda:") and s[5:].isdigit()):
-        return s
-    raise argparse.ArgumentTypeError(f"invalid choice: {s!r} (choose from 'auto', 'cuda', 'cuda:N', 'cpu')")
-
-
-def _variant_list(allow_empty):
-    def check(s):
-        vs = [v.strip() for v in s.split(",") if v.strip()]
-        bad = [v for v in vs if (v[: -len("+graph")] if v.endswith("+graph") else v) not in BASE_VARIANTS]
-        if bad:
-            raise argparse.ArgumentTypeError(
-                f"unknown variant(s) {', '.join(map(repr, bad))} (known: {', '.join(BASE_VARIANTS)}, each also as NAME+graph)")
-        if not vs and not allow_empty:
-            raise argparse.ArgumentTypeError("no variant given")
-        return ",".join(vs)
-    return check
-
-
-def parse():
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--res", type=_int_at_least(16, 16), default=1024, help="image side in pixels (multiple of 16)")
-    p.add_argument("--txt", type=_int_at_least(1), default=512, help="text tokens")
-    p.add_argument("--batch", type=_int_at_least(1), default=1)
-    p.add_argument("--model", help="FLUX.1 .safetensors (default: random weights of --config)")
-    p.add_argument("--config", default="flux1-dev", choices=["flux1-dev", "tiny"])
-    p.add_argument("--device", default="auto", type=_device, help="auto | cuda | cuda:N | cpu")
-    p.add_argument("--variants", type=_variant_list(False),
-                   default="stock,pack-torch,exact,exact+graph,exact-sdpa,attn8,attn8+graph,fast,fast+graph,fast-cached,fast-cached+graph",
-                   help="comma list (see above)")
-    p.add_argument("--warmup", type=_int_at_least(0), default=2)
-    p.add_argument("--reps", type=_int_at_least(1), default=5)
-    p.add_argument("--weight-dtype", default="default", choices=["default", "fp8_e4m3fn"],
-                   help="fp8_e4m3fn: the diffusion model stored in fp8 e4m3 as UNETLoader's weight_dtype of that "
-                        "name stores it (ComfyUI's manual_cast ops; needs ComfyUI): stock casts each weight per call, "
-                        "the fast profile takes the stored fp8 weights as its GEMM operands")
-    p.add_argument("--outliers", default=None, metavar="N,F", type=_outliers,
-                   help="stress case: N hidden channels F times larger (img_in / txt_in output rows scaled; the "
-                        "residual stream keeps them), as real DiTs have a few massive activation channels")
-    p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference (saves memory/time)")
-    p.add_argument("--trajectory", type=_int_at_least(0), default=0, help="also run an N-step Euler trajectory (PSNR vs fp32)")
-    p.add_argument("--save-latents", default=None, metavar="PATH",
-                   help="with --trajectory: torch.save the final latent of each variant and of the fp32 reference "
-                        "(bench/decode_ssim.py decodes them and compares the images)")
-    p.add_argument("--no-comfy", action="store_true", help="use the standalone model even if ComfyUI is importable")
-    p.add_argument("--no-autotune", dest="autotune", action="store_false",
-                   help="auto picks by priority instead of timing each candidate once per shape")
-    p.add_argument("--json", default=os.path.join(ROOT, "out", "bench.json"), metavar="PATH",
-                   help="where the results go (default out/bench.json next to bench.py)")
-    p.add_argument("--vae", action="store_true", help="also time the FLUX VAE decode of a 1024^2 image, "
-                   "stock ComfyUI decoder vs FluxNumbaVAEPatch's (bench/gpu_vae.py run_decoder)")
-    p.add_argument("--memory", default="", type=_variant_list(True),
-                   help="comma list of variants: allocations live at the peak of one forward")
-    p.add_argument("--host-profile", default="", type=_variant_list(True), help="comma list of variants: one forward "
-                   "under cProfile (top Python functions by own time: where the eager step's host time goes)")
-    p.add_argument("--profile", default="", type=_variant_list(True),
-                   help="comma list of variants to profile (one forward): top GPU kernels")
-    a = p.parse_args()
-    check_args(p, a)
-    return p, a
-
-
-def check_file_out(p, opt, path):
-    """Fail at once when ``path`` (a file to write later) cannot be written; creates nothing."""
-    from _pack import file_out_problem
-    why = file_out_problem(path, "bench.json")
-    if why:
-        p.fail(f"argument {opt}: {why}")
-
-
-def check_args(p, a):
-    """Every check that needs no model: before anything is built or timed."""
-    check_file_out(p, "--json", a.json)
-    if a.save_latents is not None:
-        check_file_out(p, "--save-latents", a.save_latents)
-    cp = os.environ.get("COMFYUI_PATH")
-    if cp and not a.no_comfy and not os.path.isfile(os.path.join(cp, "comfy", "ldm", "flux", "model.py")):
-        p.fail(f"COMFYUI_PATH={cp} is not a ComfyUI tree (no comfy/ldm/flux/model.py); unset it or pass --no-comfy "
-               "for the pack's standalone model")
-    if a.model is not None:
-        if not a.model:
-            p.fail("argument --model: empty path (leave --model out for random weights of --config)")
-        if not os.path.isfile(a.model):
-            p.fail(f"argument --model: {'is a folder, not a file' if os.path.isdir(a.model) else 'no such file'}: {a.model}")
-
-
-def find_comfy():
-    for c in (os.environ.get("COMFYUI_PATH"), os.path.join(ROOT, ".carry", "gpu", "ComfyUI"), os.path.join(ROOT, ".carry", "ComfyUI")):
-        if c and os.path.isfile(os.path.join(c, "comfy", "ldm", "flux", "model.py")):
-            return c
-    return None
-
-
-def _avail_ram():
-    """Bytes of memory available for new allocations (Linux: MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for ln in f:
-                if ln.startswith("MemAvailable:"):
-                    return int(ln.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _wait_for_kernel_build(dev):
-    """Timing starts once the pack's background kernel build (started when its nodes are imported) is
-    done: until then the ops run their torch references and no graph is captured, so a row would not
-    time what its label says."""
-    if dev.type != "cuda":
-        return
-    from flux_numba_pack.cuda_kernels import prebuild
-    b = prebuild.current() or prebuild.start(dev)  # (started here when nothing imported the nodes yet)
-    if b is None or b.done.is_set():
-        return
-    t0 = time.time()
-    print("waiting for the background kernel build (first run after an install or update) ...", flush=True)
-    b.wait()
-    print(f"kernel build done in {time.time() - t0:.1f}s ({b.state})", flush=True)
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # bench.py's parts (and gpu_vae for --vae)
+from _bench_setup import _avail_ram, _has_kitchen, _wait_for_kernel_build, find_comfy, parse  # noqa: E402
+from _bench_diag import ClockLog, host_profile, memory_at_peak, profile_forward  # noqa: E402
 
 
 def main():
-    p, a = parse()
+    p, a = parse(__doc__)
     sys.path.insert(0, ROOT)
     try:
         import _pack
@@ -590,41 +429,6 @@ def _strict_json(x):
     return x
 
 
-def memory_at_peak(fn, label, top=14):
-    """Replay torch's allocator trace of one forward: the step's peak above what was allocated
-    before it, and the allocations live at that peak (size, where they were made)."""
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=200000)
-    try:
-        base = torch.cuda.memory_allocated()
-        out = fn()
-        torch.cuda.synchronize()
-        snap = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    del out
-    live, cur, peak, at_peak = {}, 0, 0, {}
-    for ev in snap["device_traces"][torch.cuda.current_device()]:
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = ev
-            cur += ev["size"]
-            if cur > peak:
-                peak, at_peak = cur, dict(live)
-        elif ev["action"] == "free_requested" and ev["addr"] in live:
-            cur -= live.pop(ev["addr"])["size"]
-
-    def where(ev):
-        fr = [f for f in ev.get("frames", []) if f["filename"].endswith(".py") and "torch/" not in f["filename"]]
-        return " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in fr[:3])
-    rows = sorted(at_peak.values(), key=lambda e: -e["size"])[:top]
-    print(f"\nmemory {label}: base {base / 1e9:.3f} GB, step peak +{peak / 1e9:.3f} GB, "
-          f"{len(at_peak)} allocations live at the peak")
-    for e in rows:
-        print(f"  {e['size'] / 1e6:9.1f} MB  {where(e)[:150]}")
-    return {"base_gb": base / 1e9, "peak_above_base_gb": peak / 1e9,
-            "top": [(e["size"], where(e)[:200]) for e in rows]}
 
 
 def host_ms(fn, dev, n):
@@ -642,29 +446,6 @@ def host_ms(fn, dev, n):
     return statistics.median(ts)
 
 
-def host_profile(fn, label, dev, top=30):
-    """One forward under cProfile after a warm-up: the top functions by own time (printed, returned)."""
-    import cProfile
-    import io
-    import pstats
-    import torch
-    fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    pr = cProfile.Profile()
-    t0 = time.perf_counter()
-    pr.enable()
-    fn()
-    pr.disable()
-    wall = (time.perf_counter() - t0) * 1e3
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
-    text = f"host profile {label}: {wall:.1f} ms under cProfile\n" + buf.getvalue()
-    print(text)
-    return text
-
 
 def back_to_back_ms(fn, n):
     """ms per step with n steps queued back to back (one pair of events, no sync in between), as a
@@ -681,138 +462,11 @@ def back_to_back_ms(fn, n):
     return s.elapsed_time(e) / n
 
 
-class ClockLog:
-    """SM clock / power / throttle reasons sampled by nvidia-smi every 100 ms while the body runs
-    (the H200 runs FLUX at its power cap: clocks drop from 1980 MHz when GEMMs draw ~700 W)."""
-
-    def __init__(self, dev):
-        import shutil
-        self.exe = shutil.which("nvidia-smi") if dev.type == "cuda" else None
-        self.idx = dev.index if dev.index is not None else 0
-        self.proc = None
-
-    def __enter__(self):
-        import subprocess
-        import tempfile
-        if self.exe:
-            self.f = tempfile.TemporaryFile("w+")
-            self.proc = subprocess.Popen([self.exe, "-i", str(self.idx), "-lms", "100", "--format=csv,noheader,nounits",
-                                          "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active"],
-                                         stdout=self.f, stderr=subprocess.DEVNULL)
-        return self
-
-    def __exit__(self, *exc):
-        if self.proc:
-            self.proc.terminate()
-            self.proc.wait()
-
-    def summary(self):
-        if not self.proc:
-            return None
-        import statistics
-        self.f.seek(0)
-        rows = []
-        for ln in self.f.read().splitlines():
-            try:
-                c, p, r = [x.strip() for x in ln.split(",")]
-                rows.append((float(c), float(p), int(r, 16)))
-            except ValueError:
-                continue
-        if not rows:
-            return None
-        return {"samples": len(rows), "sm_mhz_median": statistics.median(r[0] for r in rows),
-                "sm_mhz_min": min(r[0] for r in rows), "power_w_median": statistics.median(r[1] for r in rows),
-                "power_capped_share": round(sum(1 for r in rows if r[2] & 0x4) / len(rows), 2)}
-
-
-def category(name):
-    """The kernel's category in the profile tables (``flux_core.harness.kernel_category``; the pack's
-    kernels are listed as "numba")."""
-    from flux_numba_pack.flux_core.harness import kernel_category
-    c = kernel_category(name)
-    return "numba" if c == "fused" else c
-
-
-def profile_forward(fn, label, top=22):
-    """GPU time per kernel for one forward (torch.profiler), grouped; printed and returned."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    fn(); torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(); torch.cuda.synchronize()
-    gaps = None
-    try:
-        gaps = kernel_gaps(prof)
-    except Exception as e:  # the timeline is a diagnosis: never fail the benchmark on it
-        print(f"gap analysis failed: {type(e).__name__}: {e}")
-    rows = {}
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
-        r = rows.setdefault(e.name, [0.0, 0])
-        r[0] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
-        r[1] += 1
-    cats = {}
-    for n, (ms, c) in rows.items():
-        cats[category(n)] = cats.get(category(n), 0.0) + ms
-    total = sum(cats.values())
-    print(f"\nprofile {label}: GPU kernel time {total:.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1])))
-    for n, (ms, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"  {ms:8.3f} ms {c:5d}x  [{category(n)}] {n[:110]}")
-    return {"total_ms": total, "categories": cats, "gaps": gaps,
-            "top": [(n[:160], ms, c) for n, (ms, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]]}
-
-
-def kernel_gaps(prof, top=12):
-    """Where the GPU idles during one profiled forward: span from the first kernel's start to the
-    last one's end, busy time (union of kernel intervals), idle gaps between consecutive kernels
-    (histogram and the largest, with the kernels on either side)."""
-    import tempfile
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            tr = json.load(f)
-    finally:
-        os.unlink(path)
-    ev = sorted((float(e["ts"]), float(e.get("dur", 0)), e.get("name", "?")) for e in tr.get("traceEvents", [])
-                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
-    if not ev:
-        return None
-    span = ev[-1][0] + ev[-1][1] - ev[0][0]
-    busy, end, gl = 0.0, ev[0][0], []
-    for i, (ts, dur, name) in enumerate(ev):
-        if ts > end:
-            gl.append((ts - end, ev[i - 1][2] if i else "", name))
-        busy += max(0.0, ts + dur - max(ts, end))
-        end = max(end, ts + dur)
-    bins = [(0, 2), (2, 5), (5, 10), (10, 50), (50, 1e12)]
-    hist = {f"{lo}-{hi if hi < 1e12 else 'inf'} us": [sum(1 for g in gl if lo <= g[0] < hi),
-                                                       round(sum(g[0] for g in gl if lo <= g[0] < hi) / 1e3, 3)]
-            for lo, hi in bins}
-    out = {"kernels": len(ev), "span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
-           "idle_ms": round((span - busy) / 1e3, 3), "gaps_count_ms": hist,
-           "largest": [(round(g, 1), a[:70], b[:70]) for g, a, b in sorted(gl, reverse=True)[:top]]}
-    print(f"timeline: {out['kernels']} kernels, span {out['span_ms']} ms, busy {out['busy_ms']} ms, idle {out['idle_ms']} ms")
-    print("  gaps (count, ms): " + ", ".join(f"{k}: {v[0]} / {v[1]}" for k, v in hist.items()))
-    for g, a, b in out["largest"]:
-        print(f"  {g:8.1f} us after {a[:60]} -> {b[:60]}")
-    return out
-
-
 def _ref_call(ref, x, t, ctx, y, g, registry, BlockContext):
     import torch
     with registry.force("torch"):
         return ref(x.float(), t, ctx.float(), y.float(), g, BlockContext(fused=False), dtype=torch.float32)
 
-
-def _has_kitchen():
-    try:
-        import comfy.quant_ops  # noqa: F401
-        return bool(getattr(comfy.quant_ops, "ck", None))
-    except Exception:
-        return False
 
 
 if __name__ == "__main__":

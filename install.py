@@ -37,7 +37,6 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 TORCH_FOR_STANDALONE = "torch==2.13.0"  # only when no torch is installed (never replaces the user's)
 BUILD_TOOLS = ("pip", "setuptools", "wheel")  # may be upgraded for a standalone torch install only
 PREFIX = "[flux-numba] "
-PROBE_TAG = "FLUX_NUMBA_PROBE "
 MIN_PIP = (22, 2)  # pip install --dry-run --report
 
 # what numba-cuda uses, per CUDA major: component -> (wheel that provides it, cuda-toolkit extra)
@@ -51,6 +50,21 @@ COMPONENTS = {
 }
 SHIPPED_BY_TORCH = ("nvrtc", "nvjitlink", "cudart")  # what a CUDA torch wheel brings (its pins)
 LABEL = {"nvvm": "NVVM", "nvrtc": "NVRTC", "nvjitlink": "nvJitLink", "cudart": "cudart", "cccl": "CCCL"}
+
+
+
+def _sibling(name):
+    """A module next to install.py, loaded by its path (sys.path left as it is: install.py is also
+    loaded by path, into other processes)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("flux_numba_" + name, os.path.join(ROOT, name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_probes = _sibling("_install_probe")  # what torch and a system CUDA toolkit say, asked in a child interpreter
+torch_state, system_toolkit = _probes.torch_state, _probes.system_toolkit
 
 try:
     from packaging.markers import default_environment
@@ -371,74 +385,6 @@ def checked_install(reqs, dry, loose=(), what=None, python=None, path=None):
         raise Refused(f"pip changed installed packages although its dry run did not ({', '.join(moved)})")
     return 0
 
-
-# ------------------------------------------------------------------------------ probes
-TORCH_PROBE = (
-    "import json\n"
-    "out = {}\n"
-    "try:\n"
-    "    import torch\n"
-    "    out['version'] = str(getattr(torch, '__version__', '?'))\n"
-    "    v = getattr(torch, 'version', None)\n"
-    "    out['cuda'] = getattr(v, 'cuda', None)\n"
-    "except BaseException as e:\n"
-    "    out['error'] = (type(e).__name__ + ': ' + str(e)).strip().splitlines()[0][:300]\n"
-    "    out['missing'] = isinstance(e, ModuleNotFoundError) and getattr(e, 'name', '') == 'torch'\n"
-    f"print({PROBE_TAG!r} + json.dumps(out))\n")
-
-NVVM_PROBE = (
-    "import json\n"
-    "try:\n"
-    "    from cuda.pathfinder import load_nvidia_dynamic_lib\n"
-    "    lib = load_nvidia_dynamic_lib('nvvm')\n"
-    "    out = {'path': lib.abs_path, 'via': getattr(lib, 'found_via', '?')}\n"
-    "except BaseException as e:\n"
-    "    out = {'error': type(e).__name__ + ': ' + str(e)[:200]}\n"
-    f"print({PROBE_TAG!r} + json.dumps(out))\n")
-
-
-def _probe(code, python=None, env=None, timeout=300):
-    try:
-        r = subprocess.run([python or sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                           timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
-    for ln in reversed(r.stdout.splitlines()):
-        if ln.startswith(PROBE_TAG):
-            return json.loads(ln[len(PROBE_TAG):])
-    tail = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-    return {"error": f"the interpreter died ({'signal ' + str(-r.returncode) if r.returncode < 0 else 'exit ' + str(r.returncode)}): {tail[:300]}"}
-
-
-def torch_state(inst, python=None, env=None):
-    """("absent", None, None) | ("ok", version, torch.version.cuda) | ("broken", version, error)."""
-    dist = inst.get("torch")
-    p = _probe(TORCH_PROBE, python, env)
-    if "error" not in p:
-        return "ok", p["version"], p.get("cuda")
-    if p.get("missing") and dist is None:
-        return "absent", None, None
-    return "broken", dist[1] if dist else "?", p["error"]
-
-
-def system_toolkit(python=None):
-    """(root, "M.m") of the CUDA toolkit whose NVVM numba-cuda would load from outside the
-    environment's wheels, or None."""
-    p = _probe(NVVM_PROBE, python)
-    path = p.get("path")
-    if not path or p.get("via") == "site-packages":
-        return None
-    root = os.path.dirname(os.path.realpath(path))
-    while root != os.path.dirname(root) and not os.path.isdir(os.path.join(root, "nvvm")):
-        root = os.path.dirname(root)
-    ver = None
-    try:
-        with open(os.path.join(root, "version.json")) as f:
-            ver = json.load(f)["cuda"]["version"]
-    except (OSError, ValueError, KeyError, TypeError):
-        m = re.search(r"cuda-(\d+\.\d+)", os.path.realpath(root))
-        ver = m.group(1) if m else None
-    return (root, ver) if ver else None
 
 
 def requirement_lines(path=os.path.join(ROOT, "requirements.txt")):

@@ -62,8 +62,7 @@ def main():
         dec.load_state_dict(sd)
         weights = a.vae
     else:
-        gpu_vae.DEV = dev
-        gpu_vae.init_(dec)
+        gpu_vae.init_(dec, device=dev)
         weights = "random (bench/gpu_vae.py init_, seed 0)"
     dec = dec.eval().float()
 

@@ -11,7 +11,8 @@ except ImportError:  # Python 3.10
     tomllib = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED = ["__init__.py", "_pack.py", "run.py", "bench.py", "nodes", "cuda_kernels", "flux_core"]
+SHIPPED = ["__init__.py", "_pack.py", "run.py", "bench.py", "bench/_bench_setup.py", "bench/_bench_diag.py", "nodes",
+           "cuda_kernels", "flux_core"]
 
 # import name -> the distribution that provides it (as named in requirements.txt)
 DIST = {
@@ -24,7 +25,7 @@ DIST = {
 HOST = {"torch", "comfy", "comfy_api", "folder_paths", "server", "comfyui_version",
         "comfy_aimdo"}  # comfy-aimdo: ComfyUI v0.33's DynamicVRAM (imported only where ComfyUI runs it)
 # the pack's own modules (imported by name from the repo root or bench/)
-LOCAL = {"_pack", "flux_numba_pack", "gpu_vae"}
+LOCAL = {"_pack", "flux_numba_pack", "gpu_vae", "_bench_setup", "_bench_diag"}
 
 
 def _name(req):
@@ -128,16 +129,24 @@ def test_license_and_registry_metadata():
 
 def test_install_script_runs_before_requirements():
     """install.py runs before anything of requirements.txt is there (ComfyUI-Manager may run it
-    alone): its imports are the standard library, and packaging with pip's copy as the fallback."""
-    with open(os.path.join(ROOT, "install.py"), encoding="utf-8") as f:
-        tree = ast.parse(f.read())
+    alone): its imports (and those of its probes, _install_probe.py) are the standard library, and
+    packaging with pip's copy as the fallback."""
+    tops = set()
+    for name in ("install.py", "_install_probe.py"):
+        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        tops |= _tops(tree)
+    assert tops - set(sys.stdlib_module_names) <= {"packaging", "pip"}, tops
+
+
+def _tops(tree):
     tops = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             tops |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             tops.add(node.module.split(".")[0])
-    assert tops - set(sys.stdlib_module_names) <= {"packaging", "pip"}, tops
+    return tops
 
 
 def test_requirements_leave_torchs_cuda_alone():
