@@ -370,7 +370,8 @@ class StepTimer:
             out = call()
             rec["ms"] = (time.perf_counter() - t0) * 1000.0
         rec["backends"] = _usage_diff(before, _usage_snapshot())
-        rec["graphs"] = graph_step(g0, _graph_snapshot(st), st)
+        # CUDA graphs exist only on CUDA: a step on the CPU has no graph state (not "none")
+        rec["graphs"] = graph_step(g0, _graph_snapshot(st), st) if on_cuda else None
         self._emit(rec)
         return out
 

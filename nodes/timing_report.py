@@ -12,7 +12,9 @@ from . import timing
 # label -> colour; the web extension (web/flux_numba.js) uses the same rule
 FIXED_COLOURS = {"stock": "#8a8f98", "torch": "#8a8f98", "patched": "#e8743b", "numba": "#e8743b"}
 PALETTE = ["#4c8bf5", "#19a979", "#ed4a7b", "#945ecf", "#13a4b4", "#f4c20d", "#6f7dd6", "#bf399e"]
-CAT_COLOURS = {"attention": "#4c8bf5", "gemm": "#19a979", "fused": "#e8743b", "other": "#8a8f98"}
+# the profiled step's categories; "other" is not the stock series' grey (#8a8f98): a split bar must not
+# read as a stock run
+CAT_COLOURS = {"attention": "#4c8bf5", "gemm": "#19a979", "fused": "#e8743b", "other": "#a173d1"}
 
 
 def label_colour(label: str) -> str:
@@ -41,13 +43,33 @@ def _model_state(r):
     return r.get("model") or timing.model_state(r.get("patch"), r.get("backends"))
 
 
+def shows_graphs(r) -> bool:
+    """CUDA-graph replays are a fact only of a patched run on CUDA (web/flux_numba.js showsGraphs)."""
+    return (str(r.get("device") or "").lower().startswith("cuda")
+            and _model_state(r)["state"] in ("patched", "partly patched"))
+
+
 def graphs_text(r) -> str:
+    """'all 2/3, some 1': steps that replayed CUDA graphs for every / some / no block; '-' where the
+    pack ran no patched step on CUDA."""
     g = r.get("graphs") or {}
     n = len(r.get("steps") or [])
-    if not n or not any(g.get(k) for k in ("all", "some", "none")):
+    if not n or not shows_graphs(r) or not any(g.get(k) for k in ("all", "some", "none")):
         return "-"
     return f"all {g.get('all', 0)}/{n}" + (f", some {g['some']}" if g.get("some") else "") + \
         (f", none {g['none']}" if g.get("none") else "")
+
+
+def state_words(r) -> str:
+    """The run's truth in words: PATCHED / PARTLY PATCHED: why / NOT PATCHED: why / stock (+ FAILED)."""
+    ms = _model_state(r)
+    st = ms["state"]
+    words = "stock (no FluxNumbaPatch)" if st == "stock" else st.upper()
+    if st not in ("stock", "patched") and ms.get("why"):
+        words += f" ({ms['why']})"
+    if r.get("error"):
+        words += f"; FAILED after {len(r.get('steps') or [])} steps: {r['error']}"
+    return words
 
 
 def table_text(runs: List[dict]) -> str:
@@ -62,7 +84,7 @@ def table_text(runs: List[dict]) -> str:
         s = r["summary"]
         hb = (r.get("graphs") or {}).get("host_bound", 0)
         lines.append(f"{r['run']:>4} {str(r['label'])[:12]:<12} {s['steps']:>5} {_fmt(s['mean_ms']):>9} "
-                     f"{_fmt(s['min_ms']):>9} {_fmt(s['max_ms']):>9} {_fmt(s['total_ms'], 1):>10} "
+                     f"{_fmt(s['min_ms']):>9} {_fmt(s['max_ms']):>9} {_fmt(s['total_ms'] if s['steps'] else None, 1):>10} "
                      f"{_fmt(s['its'], 3):>7} {_model_state(r)['state']:<15} {graphs_text(r):<14} {hb:>10}")
     lines.append("")
     for r in runs:
@@ -108,60 +130,85 @@ def table_text(runs: List[dict]) -> str:
     return "\n".join(lines)
 
 
-def chart_array(runs: List[dict], width: int = 1024, height: int = 512):
-    """RGB float32 array [H, W, 3] in 0..1 with one bar per step per run (colour by label)."""
-    import numpy as np
+def chart_figure(runs: List[dict], width: int = 1024, height: int = 512):
+    """The report chart as a matplotlib Figure (Agg canvas attached, drawn): one bar per step per run
+    (colour by label, hatched grey where the pack did not run), each run's state in words in the
+    legend below the plot; with a profiled step, its split beside it (legend above its bars)."""
+    import textwrap
     from matplotlib.colors import to_rgba
     from matplotlib.figure import Figure
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.ticker import MaxNLocator
 
     dpi = 100
-    fig = Figure(figsize=(width / dpi, height / dpi), dpi=dpi)
+    # constrained layout keeps the legends, titles and tick labels off each other and on the image
+    fig = Figure(figsize=(width / dpi, height / dpi), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
-    has_prof = any(r.get("profile") and "ms" in r["profile"] for r in runs)
-    if has_prof:
+    prof_runs = [r for r in runs if r.get("profile") and "ms" in r["profile"]]
+    if prof_runs:
         gs = fig.add_gridspec(1, 2, width_ratios=[3, 1])
         ax = fig.add_subplot(gs[0, 0])
         axp = fig.add_subplot(gs[0, 1])
     else:
         ax = fig.add_subplot(1, 1, 1)
         axp = None
+    wrap = max(40, int(width / 6.2))
     if not runs:
         ax.text(0.5, 0.5, "no FluxNumba timer runs yet", ha="center", va="center", fontsize=16)
         ax.set_axis_off()
     else:
         n = len(runs)
         w = 0.8 / n
+        slots = max([int(r.get("total_steps") or 0) for r in runs] + [len(r["steps"]) for r in runs] + [1])
         for i, r in enumerate(runs):
             ms = [st["ms"] for st in r["steps"]]
             xs = [k + (i - (n - 1) / 2) * w for k in range(len(ms))]
             s = r["summary"]
             state = _model_state(r)["state"]
-            lab = (f"{r['label']} (run {r['run']}): mean {_fmt(s['mean_ms'])} ms, "
-                   f"{_fmt(s['its'], 3)} it/s, total {_fmt(s['total_ms'], 1)} ms")
-            if state in ("not patched", "partly patched") or (state == "stock" and str(r["label"]).lower() != "stock"):
-                lab += f" -- {state.upper()}"
-            if r.get("error"):
-                lab += " -- FAILED"
+            if s["steps"]:
+                lab = (f"{r['label']} (run {r['run']}): mean {_fmt(s['mean_ms'])} ms, "
+                       f"{_fmt(s['its'], 3)} it/s, total {_fmt(s['total_ms'], 1)} ms")
+                if s["steps"] < len(r["steps"]):
+                    lab += f" ({len(r['steps']) - s['steps']} profiled step, faded, left out)"
+            else:
+                lab = f"{r['label']} (run {r['run']}): no step finished"
+            lab += " -- " + state_words(r)
+            if shows_graphs(r) and graphs_text(r) != "-":
+                lab += f" -- CUDA graphs replayed: {graphs_text(r)} steps"
+            prof = r.get("profile") or {}
+            if prof.get("gpu_busy_pct") is not None:
+                lab += f" -- GPU busy {prof['gpu_busy_pct']:.0f}% (profiled step)"
+            lab = "\n".join(textwrap.wrap(lab, wrap, subsequent_indent="    ")) or lab
             # a run the pack did not (fully) run is drawn grey and hatched whatever its label says
             col = label_colour(r["label"]) if state in ("patched", "stock") else "#b0b0b0"
             hatch = None if state in ("patched", "stock") else "//"
             # the profiled step (slow, left out of the mean) is drawn faded
             cols = [to_rgba(col, 0.35 if st.get("profiled") else 1.0) for st in r["steps"]]
-            ax.bar(xs, ms, width=w, color=cols, label=lab, edgecolor="#606060" if hatch else "none",
-                   hatch=hatch, linewidth=0.5 if hatch else 0)
+            if ms:
+                ax.bar(xs, ms, width=w, color=cols, label=lab, edgecolor="#606060" if hatch else "none",
+                       hatch=hatch, linewidth=0.5 if hatch else 0)
+            else:  # a legend entry all the same (the run failed before its first step)
+                ax.bar([0], [0], width=0, color=col, label=lab, hatch=hatch)
             if s["mean_ms"]:
                 ax.axhline(s["mean_ms"], color=col, linestyle="--", linewidth=1)
-        from matplotlib.ticker import MaxNLocator
+        failed = [r for r in runs if r.get("error") and not r["steps"]]
+        if failed and not any(r["steps"] for r in runs):
+            ax.text(0.5, 0.5, "\n".join(textwrap.wrap("; ".join(f"{r['label']} FAILED: {r['error']}" for r in failed),
+                                                     wrap)), transform=ax.transAxes, ha="center", va="center",
+                    fontsize=10, color="#c0392b")
+        ax.set_xlim(-0.6, slots - 0.4)  # fixed step slots: the run's step count
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers (no 0.5 ticks)
         ax.set_xlabel("sampling step (diffusion-model call)")
         ax.set_ylabel("ms")
         ax.set_title("FluxNumba step times")
-        # the legend goes below the plot: inside it would cover the bars
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=1, frameon=False)
+        # the legend goes below the plots (the whole image's width): inside it would cover the bars
+        try:
+            fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", fontsize=8, ncol=1,
+                       frameon=False)
+        except (ValueError, TypeError):  # matplotlib < 3.7: no "outside" placement
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=1, frameon=False)
         ax.grid(axis="y", alpha=0.3)
     if axp is not None:
-        prof_runs = [r for r in runs if r.get("profile") and "ms" in r["profile"]]
         for j, r in enumerate(prof_runs):
             bottom = 0.0
             for cat in timing.CATEGORIES:
@@ -169,10 +216,23 @@ def chart_array(runs: List[dict], width: int = 1024, height: int = 512):
                 axp.bar([j], [v], bottom=bottom, color=CAT_COLOURS[cat], label=cat if j == 0 else None)
                 bottom += v
         axp.set_xticks(range(len(prof_runs)))
-        axp.set_xticklabels([str(r["label"])[:10] for r in prof_runs], fontsize=8)
-        axp.set_title("profiled step split (ms)", fontsize=9)
-        axp.legend(fontsize=7)
-    fig.tight_layout()
+        names = []
+        for r in prof_runs:
+            busy = r["profile"].get("gpu_busy_pct")
+            names.append(str(r["label"])[:10] + (f"\nGPU busy {busy:.0f}%" if busy is not None else ""))
+        axp.set_xticklabels(names, fontsize=8)
+        axp.set_xlim(-0.6, len(prof_runs) - 0.4)
+        # the legend sits between the title and the bars, never over them
+        axp.set_title("profiled step split (ms)" if width >= 900 else "profiled step\nsplit (ms)", fontsize=9, pad=30)
+        axp.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=7, frameon=False,
+                   borderaxespad=0.3, handlelength=1.2, columnspacing=0.8)
     fig.canvas.draw()
+    return fig
+
+
+def chart_array(runs: List[dict], width: int = 1024, height: int = 512):
+    """RGB float32 array [H, W, 3] in 0..1 of ``chart_figure``."""
+    import numpy as np
+    fig = chart_figure(runs, width, height)
     buf = np.asarray(fig.canvas.buffer_rgba())
     return buf[..., :3].astype(np.float32) / 255.0

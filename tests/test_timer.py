@@ -420,3 +420,90 @@ def test_graph_state_per_step_from_the_packs_counters(monkeypatch):
     assert g["state"] == "none" and "attention mask" in g["why"]
     assert timing.graphs_summary([{"graphs": {"state": "all"}}, {"graphs": {"state": "some"}, "host_bound": True}]) == \
         {"all": 1, "some": 1, "none": 0, "host_bound": 1}
+
+
+# ------------------------------------------------------------------------------------------ what the report says (#39)
+def test_cpu_steps_have_no_graph_state(fake_comfy, sent, test_op, monkeypatch):
+    """CUDA graphs exist only on CUDA: a patched run on the CPU records no graph state per step (the
+    chart draws no red 'none' strip, the table's graphs column says '-')."""
+    from collections import Counter
+    st = {"block_graphs": Counter(), "block_graph_misses": {}, "fallbacks": 0, "whole_why": "no CUDA"}
+    monkeypatch.setattr(timing, "_pack_stats", lambda patch: st)
+    (b,) = timer.apply(_patched_model(patch_id=5), label="patched", unique_id="2")
+    run_sampler(b, 3, per_step=_op_step(test_op))
+    run = timing.last_run(node_id="2")
+    assert run["model"]["state"] == "patched" and run["device"] == "cpu"
+    assert [s["graphs"] for s in run["steps"]] == [None] * 3
+    assert [d["graphs"] for e, d in sent if e == timing.EVENT_STEP] == [None] * 3
+    assert timing_report.graphs_text(run) == "-"
+    text = timing_report.table_text([run])
+    assert "CUDA graphs" not in text and "none" not in text.split("\n")[2]
+    # a run that claims graph states but ran on the CPU still gets no graph column
+    assert timing_report.graphs_text(dict(run, graphs={"all": 0, "some": 0, "none": 3})) == "-"
+    assert timing_report.graphs_text(dict(run, device="cuda:0", graphs={"all": 2, "some": 1, "none": 0})) == \
+        "all 2/3, some 1"
+
+
+def test_report_image_split_legend_never_over_data(fake_comfy, sent):
+    """The 'profiled step split' legend sits outside every bar of both panels; its 'other' segment is
+    not the stock series' grey; the profiled step is said to be left out; GPU busy where measured."""
+    from matplotlib.patches import Rectangle
+    (a,) = timer.apply(FakePatcher(), label="stock", profile_split=True, unique_id="1")
+    (b,) = timer.apply(FakePatcher(), label="patched", profile_split=True, unique_id="2")
+    run_sampler(a, 3, x=torch.randn(2, 4, 64, 64))
+    run_sampler(b, 3, x=torch.randn(2, 4, 64, 64))
+    runs = timing.select_runs("last")
+    runs[1]["profile"]["gpu_busy_pct"] = 73.0  # as measured on CUDA
+    for r in runs:  # an 'other' segment of a visible size whatever this machine's timings were
+        r["profile"]["ms"]["other"] = max(r["profile"]["ms"]["other"], 0.5 * r["profile"]["ms"]["gemm"])
+    assert timing_report.CAT_COLOURS["other"] != timing_report.label_colour("stock")
+    for w, h in ((1024, 512), (512, 256), (640, 480)):
+        fig = timing_report.chart_figure(runs, w, h)
+        ax, axp = fig.axes
+        r = fig.canvas.get_renderer()
+        bars = [p.get_window_extent(r) for a_ in (ax, axp) for p in a_.patches
+                if isinstance(p, Rectangle) and p.get_height() > 0]
+        assert len(bars) >= 6 + 2
+        legends = [fig.legends[0], axp.get_legend()]
+        def shown(a_, ticks, lim):
+            return [t for t in ticks if t.get_text() and lim[0] <= t.get_position()[t in a_.get_yticklabels()] <= lim[1]]
+        labels = [t for a_ in (ax, axp) for t in (a_.title, a_.xaxis.label, a_.yaxis.label,
+                                                 *shown(a_, a_.get_xticklabels(), a_.get_xlim()),
+                                                 *shown(a_, a_.get_yticklabels(), a_.get_ylim())) if t.get_text()]
+        for lg in legends:
+            leg = lg.get_window_extent(r)
+            hit = [b_ for b_ in bars if leg.overlaps(b_)]
+            assert not hit, (w, h, leg, hit[:2])
+            hit = [t.get_text() for t in labels if leg.overlaps(t.get_window_extent(r))]
+            assert not hit, (w, h, leg, hit)
+            assert fig.bbox.x0 <= leg.x0 and leg.x1 <= fig.bbox.x1 + 1 and fig.bbox.y0 <= leg.y0, (w, h, leg)
+        assert axp.title.get_window_extent(r).x1 <= fig.bbox.x1 + 1, (w, h)  # the split's title not cut off
+        texts = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert all("profiled step, faded, left out" in " ".join(t.split()) for t in texts), texts
+        assert "GPU busy 73%" in " ".join(t.get_text() for t in axp.get_xticklabels())
+        assert any("GPU busy 73%" in t for t in texts)
+    img = timing_report.chart_array(runs, 640, 320)
+    px = (img * 255).round().astype(int)
+    other = np.array([int(timing_report.CAT_COLOURS["other"][i:i + 2], 16) for i in (1, 3, 5)])
+    assert (np.abs(px - other).sum(-1) <= 6).sum() > 20
+
+
+def test_failed_before_first_step_says_so(fake_comfy, sent):
+    """A run that failed before its first step: the table's row has no '0.0 ms' total beside a '-'
+    mean, the chart says FAILED with the error where the bars would be."""
+    (a,) = timer.apply(_patched_model(), label="patched", unique_id="3")
+
+    def boom(x):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (test)")
+    with pytest.raises(RuntimeError):
+        run_sampler(a, 3, per_step=boom)
+    run = timing.last_run(node_id="3")
+    row = timing_report.table_text([run]).split("\n")[2].split()
+    assert row[2:7] == ["0", "-", "-", "-", "-"], row
+    assert "FAILED after 0 steps" in timing_report.state_words(run)
+    fig = timing_report.chart_figure([run], 640, 320)
+    shown = " ".join(t.get_text() for t in fig.axes[0].texts)
+    assert "patched FAILED: RuntimeError: mat1 and mat2" in " ".join(shown.split()), shown
+    legend = " ".join(t.get_text() for t in fig.legends[0].get_texts())
+    assert "no step finished" in legend and "FAILED" in legend
+    assert fig.axes[0].get_xlim()[1] >= 2.5  # the run's 3 step slots, not one

@@ -8,9 +8,15 @@
 // * FluxNumbaTimingReport / FluxNumbaQualityCompare: show the node's {"ui": {"text": [...]}} output.
 //
 // Test hooks: the chart element is  div[data-flux-numba-chart][data-node-id="<id>"]  with
-// data-bars="<number of bars>" and one  rect.flux-numba-bar  per bar; window.fluxNumba.bars(id).
+// data-bars="<number of bars>", data-slots="<step slots>" and one  rect.flux-numba-bar  per bar; a
+// row  .flux-numba-stats-row[data-label][data-run][data-status][data-model]  per series;
+// window.fluxNumba.bars(id).  What is said in words comes from flux_numba_view.js.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import {
+  BAD, GRAPH_COLOURS, axisCaption, drawnAsIs, emptyPlotText, fmt, notes, runStatus, seriesColour, showsGraphs,
+  slotCount, stateWords, statsText,
+} from "./flux_numba_view.js";
 
 const TIMER = "FluxNumbaStepTimer";
 const TEXT_NODES = ["FluxNumbaTimingReport", "FluxNumbaQualityCompare"];
@@ -18,23 +24,6 @@ const PROP = "flux_numba_series";
 const TEXT_PROP = "flux_numba_text";
 const MAX_LABELS = 8;
 const SVGNS = "http://www.w3.org/2000/svg";
-
-// same rule as nodes/report.py label_colour()
-const FIXED = { stock: "#8a8f98", torch: "#8a8f98", patched: "#e8743b", numba: "#e8743b" };
-const PALETTE = ["#4c8bf5", "#19a979", "#ed4a7b", "#945ecf", "#13a4b4", "#f4c20d", "#6f7dd6", "#bf399e"];
-function labelColour(label) {
-  const key = String(label ?? "").trim().toLowerCase();
-  if (key in FIXED) return FIXED[key];
-  let s = 0;
-  for (const ch of key) s += ch.codePointAt(0);
-  return PALETTE[s % PALETTE.length];
-}
-
-// a series the pack did not (fully) run is drawn grey and hatched whatever its label says (the state
-// comes from the server: nodes/timer.py model_state)
-const drawnAsIs = (s) => !s.model || s.model.state === "patched" || s.model.state === "stock";
-const seriesColour = (s) => (drawnAsIs(s) ? labelColour(s.label) : "#b0b0b0");
-const GRAPH_COLOURS = { all: "#19a979", some: "#f4c20d", none: "#ed4a7b" };
 
 // every timer chart on the page shares one y-scale, so two charts compare at a glance
 function timerNodes() {
@@ -59,8 +48,6 @@ function globalMaxMs() {
 function redrawAll() {
   for (const n of timerNodes()) redraw(n);
 }
-
-const fmt = (v, nd = 2) => (v === null || v === undefined || !isFinite(v) ? "-" : Number(v).toFixed(nd));
 
 function findNode(id) {
   if (id === null || id === undefined) return null;
@@ -107,6 +94,8 @@ function onRun(ev) {
   if (!node) return;
   const s = seriesFor(node, d);
   if (d.phase === "start") {
+    s.total_steps = d.total_steps ?? s.total_steps;
+    s.device = d.device ?? s.device;
     s.steps = [];
     s.done = false;
     s.summary = null;
@@ -127,12 +116,15 @@ function onRun(ev) {
 }
 
 // node.properties changed outside the frontend's change tracking: let it notice, so the workflow
-// (with the series) is persisted for a page reload.
+// (with the series) is persisted for a page reload.  captureCanvasState() is the call on newer
+// frontends (1.49: checkState() is deprecated); checkState() where it is the only one (1.35).
 function markChanged() {
   try {
-    app.extensionManager?.workflow?.activeWorkflow?.changeTracker?.checkState?.();
+    const tracker = app.extensionManager?.workflow?.activeWorkflow?.changeTracker;
+    if (typeof tracker?.captureCanvasState === "function") tracker.captureCanvasState();
+    else tracker?.checkState?.();
   } catch (e) {
-    console.debug("FluxNumba: checkState failed", e);
+    console.debug("FluxNumba: saving the chart's series in the workflow failed", e);
   }
 }
 
@@ -144,6 +136,7 @@ function onStep(ev) {
   s.steps.push({ index: d.index, step: d.step, ms: d.ms, sigma: d.sigma ?? null, profiled: !!d.profiled,
     graphs: d.graphs ?? null, host_ms: d.host_ms ?? null, host_bound: !!d.host_bound });
   s.summary = d.summary ?? s.summary;
+  s.total_steps = d.total_steps ?? s.total_steps;
   if (d.profile) s.profile = d.profile;
   redrawAll();
 }
@@ -155,16 +148,40 @@ function svg(tag, attrs, parent) {
   return el;
 }
 
+// the chart is drawn in the SVG's own pixels (viewBox = its size, redrawn when that changes), so the
+// text is never stretched: no preserveAspectRatio="none"
+function chartSize(ui) {
+  const w = Math.round(ui.svg.clientWidth || 0), h = Math.round(ui.svg.clientHeight || 0);
+  return w >= 60 && h >= 40 ? [w, h] : [400, 150];
+}
+
+function wrapWords(text, perLine) {
+  const out = [];
+  let cur = "";
+  for (const word of String(text).split(/\s+/)) {
+    for (let w = word; w.length; w = w.slice(perLine)) {
+      const piece = w.slice(0, perLine);
+      if (cur && cur.length + 1 + piece.length > perLine) { out.push(cur); cur = piece; } else cur = cur ? cur + " " + piece : piece;
+    }
+  }
+  if (cur) out.push(cur);
+  return out;
+}
+
 function redraw(node) {
   const ui = node.__fluxNumba;
   if (!ui) return;
   const st = state(node);
   const labels = st.order.filter((l) => st.series[l]);
   const series = labels.map((l) => st.series[l]);
-  const nSteps = Math.max(0, ...series.map((s) => s.steps.length));
+  const nSlots = slotCount(series);
+  const nBarsIn = series.reduce((a, s) => a + s.steps.length, 0);
   const maxMs = Math.max(0, globalMaxMs(), ...series.flatMap((s) => s.steps.map((p) => p.ms || 0)));
-  const W = 400, H = 150, padL = 38, padB = 24, padT = 6, padR = 4;
+  const [W, H] = chartSize(ui);
+  ui.size = [W, H];
+  const padL = 40, padB = 26, padT = 6, padR = 6;
   const chart = ui.svg;
+  chart.setAttribute("viewBox", `0 0 ${W} ${H}`);
   chart.replaceChildren();
   svg("rect", { x: 0, y: 0, width: W, height: H, fill: "#1e1e1e" }, chart);
   const defs = svg("defs", {}, chart);
@@ -173,103 +190,106 @@ function redraw(node) {
   svg("rect", { width: 4, height: 4, fill: "#b0b0b0" }, pat);
   svg("line", { x1: 0, y1: 0, x2: 0, y2: 4, stroke: "#555", "stroke-width": 1.5 }, pat);
   let bars = 0;
-  if (nSteps > 0 && maxMs > 0) {
-    const plotW = W - padL - padR, plotH = H - padB - padT;
-    const slot = plotW / nSteps;
+  const withGraphs = series.some(showsGraphs);
+  if (nBarsIn > 0 && maxMs > 0 && nSlots > 0) {
+    const plotW = W - padL - padR, plotH = H - padB - padT - (withGraphs ? 4 : 0);
+    const slot = plotW / nSlots;
     const bw = Math.max(1, (slot * 0.85) / series.length);
     for (const frac of [0, 0.5, 1]) {
       const y = padT + plotH * (1 - frac);
       svg("line", { x1: padL, x2: W - padR, y1: y, y2: y, stroke: "#444", "stroke-width": 0.5 }, chart);
-      const t = svg("text", { x: padL - 3, y: y + 3, "text-anchor": "end", "font-size": 9, fill: "#aaa" }, chart);
+      const t = svg("text", { class: "flux-numba-tick", x: padL - 3, y: y + 3, "text-anchor": "end", "font-size": 9, fill: "#aaa" }, chart);
       t.textContent = fmt(maxMs * frac, maxMs * frac >= 100 ? 0 : 1);
     }
     series.forEach((s, j) => {
       const col = seriesColour(s);
       const fill = drawnAsIs(s) ? col : `url(#flux-numba-hatch-${node.id})`;
+      const strip = showsGraphs(s);
       s.steps.forEach((p, k) => {
         const h = Math.max(1, (plotH * (p.ms || 0)) / maxMs);
         const x = padL + k * slot + slot * 0.075 + j * bw;
+        const g = strip ? p.graphs : null;
         const r = svg("rect", {
           class: "flux-numba-bar", x, y: padT + plotH - h,
           width: Math.max(1, bw - 0.5), height: h, fill, opacity: p.profiled ? 0.45 : 1,
-          "data-label": s.label, "data-step": p.step, "data-ms": p.ms, "data-graphs": p.graphs?.state ?? "",
-          "data-host-bound": p.host_bound ? "1" : "0",
+          "data-label": s.label, "data-step": p.step, "data-ms": p.ms, "data-graphs": g?.state ?? "",
+          "data-profiled": p.profiled ? "1" : "0", "data-host-bound": p.host_bound ? "1" : "0",
         }, chart);
         const tip = svg("title", {}, r);
-        const g = p.graphs;
-        tip.textContent = `${s.label} step ${p.step}: ${fmt(p.ms)} ms${p.profiled ? " (profiled)" : ""}` +
+        tip.textContent = `${s.label} step ${p.step}: ${fmt(p.ms)} ms` +
+          (p.profiled ? " (profiled: slower, left out of the mean)" : "") +
           (p.host_ms !== null && p.host_ms !== undefined ? `; host ${fmt(p.host_ms)} ms${p.host_bound ? " (host-bound)" : ""}` : "") +
-          (g ? `; CUDA graphs: ${g.state}${g.blocks ? ` (${g.blocks[0]}/${g.blocks[1]} blocks)` : g.mode ? ` (${g.mode})` : ""}` +
+          (g ? `; CUDA graphs replayed: ${g.state}${g.blocks ? ` (${g.blocks[0]} of ${g.blocks[1]} blocks)` : g.mode ? ` (${g.mode})` : ""}` +
             `${g.why ? " -- " + g.why : ""}` : "");
-        // under each bar: did the step replay graphs (green all / amber some / red none), and a red
-        // cap on a host-bound step (the GPU waited for the host)
+        // under a patched CUDA step's bar: did it replay graphs (green all / amber some / red none);
+        // a red cap on a host-bound step (the GPU waited for the host)
         if (g) svg("rect", { class: "flux-numba-graph", x, y: padT + plotH + 1, width: Math.max(1, bw - 0.5), height: 3,
           fill: GRAPH_COLOURS[g.state] ?? "#666" }, chart);
         if (p.host_bound) svg("rect", { class: "flux-numba-hostbound", x, y: padT + plotH - h, width: Math.max(1, bw - 0.5),
-          height: Math.min(2, h), fill: "#ed4a7b" }, chart);
+          height: Math.min(2, h), fill: BAD }, chart);
         bars++;
       });
-      const mean = s.summary?.mean_ms;
+      const mean = s.summary?.steps ? s.summary.mean_ms : null;
       if (mean) {
         const y = padT + plotH * (1 - mean / maxMs);
         svg("line", { x1: padL, x2: W - padR, y1: y, y2: y, stroke: col, "stroke-dasharray": "4 3", "stroke-width": 1 }, chart);
       }
     });
-    // step numbers: about eight ticks whatever the step count
-    const every = Math.max(1, Math.ceil(nSteps / 8));
-    for (let k = 0; k < nSteps; k += every) {
-      const tx = svg("text", { x: padL + (k + 0.5) * slot, y: H - 10, "text-anchor": "middle", "font-size": 8, fill: "#aaa" }, chart);
+    // step numbers: about eight ticks whatever the step count, on the fixed slots
+    const every = Math.max(1, Math.ceil(nSlots / 8));
+    for (let k = 0; k < nSlots; k += every) {
+      const tx = svg("text", { class: "flux-numba-tick", x: padL + (k + 0.5) * slot, y: H - 13, "text-anchor": "middle", "font-size": 8, fill: "#aaa" }, chart);
       tx.textContent = String(k);
     }
-    const xl = svg("text", { x: W - padR, y: H - 1, "text-anchor": "end", "font-size": 8, fill: "#aaa" }, chart);
-    xl.textContent = `step (${nSteps}), ms/step; under the bars: CUDA graphs all / some / none`;
+    const xl = svg("text", { class: "flux-numba-caption", x: W - padR, y: H - 2, "text-anchor": "end", "font-size": 8, fill: "#aaa" }, chart);
+    xl.textContent = axisCaption(series, nSlots);
   } else {
-    const t = svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle", "font-size": 11, fill: "#aaa" }, chart);
-    t.textContent = "step times appear here while sampling";
+    // a failed run's error in its place, wrapped to the plot's width
+    const failed = series.some((s) => s.error);
+    const perLine = Math.max(20, Math.floor((W - 16) / 6.3));
+    const lines = wrapWords(emptyPlotText(series), perLine).slice(0, Math.max(1, Math.floor((H - 10) / 14)));
+    const t = svg("text", { class: "flux-numba-empty", x: W / 2, y: H / 2 - ((lines.length - 1) * 14) / 2,
+      "text-anchor": "middle", "font-size": 11, fill: failed ? BAD : "#aaa" }, chart);
+    lines.forEach((ln, i) => { svg("tspan", { x: W / 2, dy: i ? 14 : 0 }, t).textContent = ln; });
   }
   ui.root.dataset.nodeId = String(node.id);
   ui.root.dataset.bars = String(bars);
+  ui.root.dataset.slots = String(nSlots);
   ui.root.dataset.runs = String(series.length);
   ui.root.dataset.labels = labels.join(",");
 
   ui.stats.replaceChildren();
   for (const s of series) {
-    const m = s.summary || {};
     const row = document.createElement("div");
     row.className = "flux-numba-stats-row";
     row.dataset.label = s.label;
     row.dataset.model = s.model?.state ?? "";
     row.dataset.failed = s.error ? "1" : "0";
+    row.dataset.run = String(s.run);
+    row.dataset.status = runStatus(s);
+    const head = document.createElement("div");
     const sw = document.createElement("span");
     sw.style.cssText = `display:inline-block;width:9px;height:9px;margin-right:4px;background:${seriesColour(s)}`;
-    row.appendChild(sw);
-    const txt = document.createElement("span");
-    const status = s.error ? ", FAILED" : s.done ? "" : ", running";
-    txt.textContent =
-      `${s.label} (run ${s.run}${status}): ${m.steps ?? s.steps.length}` +
-      `${s.total_steps ? "/" + s.total_steps : ""} steps, mean ${fmt(m.mean_ms)} ms ` +
-      `(min ${fmt(m.min_ms)} / max ${fmt(m.max_ms)}), total ${fmt(m.total_ms, 1)} ms, ${fmt(m.its, 3)} it/s`;
-    row.appendChild(txt);
-    const notes = [];
-    if (s.model && !drawnAsIs(s)) notes.push(`${s.model.state.toUpperCase()}: ${s.model.why ?? ""}`);
-    if (s.error) notes.push(`failed: ${s.error}`);
-    const gs = s.steps.map((p) => p.graphs?.state).filter(Boolean);
-    if (gs.length) {
-      const hb = s.steps.filter((p) => p.host_bound).length;
-      notes.push(`CUDA graphs: all ${gs.filter((x) => x === "all").length}/${s.steps.length} steps` +
-        (hb ? `, ${hb} host-bound` : ""));
-    }
-    for (const n of notes) {
+    head.appendChild(sw);
+    const name = document.createElement("b");
+    name.textContent = `${s.label} (run ${s.run}, ${runStatus(s)}): `;
+    head.appendChild(name);
+    const words = document.createElement("span");
+    words.className = "flux-numba-state";
+    words.textContent = stateWords(s);
+    if (!drawnAsIs(s)) words.style.color = BAD;
+    head.appendChild(words);
+    row.appendChild(head);
+    const line = document.createElement("div");
+    line.className = "flux-numba-line";
+    line.style.cssText = "padding-left:13px";
+    line.textContent = statsText(s);
+    row.appendChild(line);
+    for (const n of notes(s)) {
       const p = document.createElement("div");
       p.className = "flux-numba-note";
-      p.style.cssText = `padding-left:13px;${n.startsWith("failed") || n.startsWith("NOT") ? "color:#ed4a7b" : "opacity:.8"}`;
-      p.textContent = n;
-      row.appendChild(p);
-    }
-    if (s.profile && s.profile.ms) {
-      const p = document.createElement("div");
-      p.style.cssText = "opacity:.8;padding-left:13px";
-      p.textContent = "split: " + Object.entries(s.profile.ms).map(([k, v]) => `${k} ${fmt(v)} ms`).join(", ");
+      p.style.cssText = `padding-left:13px;${n.bad ? "color:" + BAD : "opacity:.8"}`;
+      p.textContent = n.text;
       row.appendChild(p);
     }
     ui.stats.appendChild(row);
@@ -304,10 +324,11 @@ function buildChart(node) {
     "font:11px sans-serif;color:#ddd;overflow:hidden;box-sizing:border-box";
   const chart = document.createElementNS(SVGNS, "svg");
   chart.setAttribute("viewBox", "0 0 400 150");
-  chart.setAttribute("preserveAspectRatio", "none");
-  chart.style.cssText = "width:100%;flex:1 1 auto;min-height:90px";
+  // flex-basis 0: the plot takes the room the stats leave, its own content never sizes it
+  chart.style.cssText = "display:block;width:100%;flex:1 1 0;min-height:110px";
   const stats = document.createElement("div");
   stats.className = "flux-numba-stats";
+  stats.style.cssText = "flex:0 0 auto;max-height:50%;overflow:auto";
   const bar = document.createElement("div");
   bar.style.cssText = "display:flex;gap:4px";
   const mk = (label, fn, attr) => {
@@ -321,20 +342,59 @@ function buildChart(node) {
   mk("export JSON", exportJSON, "fluxNumbaExport");
   mk("clear", clearSeries, "fluxNumbaClear");
   root.append(chart, stats, bar);
-  return { root, svg: chart, stats };
+  const ui = { root, svg: chart, stats, size: null };
+  // redraw in the new pixel size when the node is resized (text keeps its size, nothing stretches)
+  if (typeof ResizeObserver === "function") {
+    let queued = false;
+    new ResizeObserver(() => {
+      if (queued) return;
+      queued = true;
+      requestAnimationFrame(() => {
+        queued = false;
+        const [w, h] = chartSize(ui);
+        if (!ui.size || Math.abs(ui.size[0] - w) >= 1 || Math.abs(ui.size[1] - h) >= 1) redraw(node);
+      });
+    }).observe(chart);
+  }
+  return ui;
 }
+
+const TEXT_FONT = "10px monospace";
+const TEXT_LINE_PX = 13;
 
 function textWidget(node) {
   if (node.__fluxNumbaText) return node.__fluxNumbaText;
   const pre = document.createElement("pre");
   pre.dataset.fluxNumbaText = "";
   pre.dataset.nodeId = String(node.id);
-  pre.style.cssText = "margin:0;width:100%;height:100%;overflow:auto;font:10px monospace;color:#ddd;" +
-    "white-space:pre;background:#1e1e1e;box-sizing:border-box;padding:3px";
-  const w = node.addDOMWidget("flux_numba_text", "flux_numba_text", pre, { hideOnZoom: false, getMinHeight: () => 60 });
+  pre.style.cssText = `margin:0;width:100%;height:100%;overflow:auto;font:${TEXT_FONT};line-height:${TEXT_LINE_PX}px;` +
+    "color:#ddd;white-space:pre;background:#1e1e1e;box-sizing:border-box;padding:3px";
+  const w = node.addDOMWidget("flux_numba_text", "flux_numba_text", pre, {
+    hideOnZoom: false, getMinHeight: () => pre.__fitHeight ?? 60,
+  });
   w.serialize = false;
   node.__fluxNumbaText = pre;
   return pre;
+}
+
+// the node grows to its text: the table (the lines before the first blank line) whole, the lines
+// after it scroll where longer; never shrunk below what the user made it
+function fitToText(node, pre, text) {
+  const lines = String(text ?? "").split("\n");
+  const blank = lines.indexOf("");
+  const table = blank > 0 ? lines.slice(0, blank) : lines;
+  const ctx = (fitToText.ctx ??= document.createElement("canvas").getContext("2d"));
+  ctx.font = TEXT_FONT;
+  const widest = (ls) => Math.max(0, ...ls.map((l) => ctx.measureText(l).width));
+  const textW = widest(table);
+  pre.__fitHeight = Math.min(520, lines.length * TEXT_LINE_PX + 22);
+  pre.dataset.tableWidth = String(Math.ceil(widest(table)));
+  const min = node.computeSize?.() ?? node.size;
+  const want = [Math.ceil(textW) + 6 + 40, min[1]];
+  if (want[0] > node.size[0] || want[1] > node.size[1]) {
+    node.setSize([Math.max(node.size[0], want[0]), Math.max(node.size[1], want[1])]);
+    node.setDirtyCanvas?.(true, true);
+  }
 }
 
 app.registerExtension({
@@ -389,6 +449,8 @@ app.registerExtension({
       nodeType.prototype.onNodeCreated = function () {
         const r = created?.apply(this, arguments);
         textWidget(this);
+        // a new report node is wide enough for its table (a loaded workflow keeps its saved size)
+        if (nodeData.name === "FluxNumbaTimingReport") this.setSize?.([Math.max(this.size[0], 780), Math.max(this.size[1], 440)]);
         return r;
       };
       const executed = nodeType.prototype.onExecuted;
@@ -397,7 +459,9 @@ app.registerExtension({
         const text = (message?.text ?? []).join("\n");
         this.properties = this.properties || {};
         this.properties[TEXT_PROP] = text;
-        textWidget(this).textContent = text;
+        const pre = textWidget(this);
+        pre.textContent = text;
+        if (nodeData.name === "FluxNumbaTimingReport") fitToText(this, pre, text);
         markChanged();
         return r;
       };
