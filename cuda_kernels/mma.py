@@ -40,12 +40,13 @@ Helpers (same signatures on both paths):
   bf16_lo(w) / bf16_hi(w) -> float32          unpack
 Hopper (sm_90a) warpgroup MMA -- the whole 128-thread warpgroup calls uniformly:
   wgmma_op(N, transb, kind="bf16") -> wg(acc, a0, a1, a2, a3, desc, scale_d, sm, scr)
-      m64nNk16 bf16 (m64nNk32 s8 with kind="s8"), A from registers (each warp: its 16 rows in the
+      m64nNk16 bf16 (m64nNk32 s8 with kind="s8"; u8 A x s8 B with kind="u8s8"), A from registers (each warp: its 16 rows in the
       mma.m16n8k16 / k32 A layout above), B from shared memory through a 64-bit descriptor:
       (addr >> 4) | (LBO >> 4) << 16 | (SBO >> 4) << 32, swizzle 0 ("interleave": each 8 x 16-byte
       core matrix is 128 contiguous bytes).  LBO = byte distance between core matrices along K,
       SBO = along M/N (K-major B: transb=0; MN-major B: transb=1, bf16 only).  acc: local array of
       N/2 f32 (s32) in the C/D layout above, repeated per 8 columns; accumulates when scale_d.
+      Integer kinds take N = 8, 16, 24, 32, 48, 64, ... 256 (multiples of 16 above 32; PTX ISA).
       The simulator emulates it from the descriptor (no-swizzle only).
   wg_fence() / wg_commit() / wg_wait0()      wgmma.fence / commit_group / wait_group 0
   fence_proxy_async()                         fence.proxy.async.shared::cta (cp.async -> wgmma)
@@ -63,6 +64,7 @@ SIMULATOR = runtime.SIMULATOR
 MAX_THREADS = 288           # 2 warpgroups + a producer warp
 SCR_WORDS = 2 * MAX_THREADS * 6 if SIMULATOR else 1
 SCRF_WORDS = 2 * MAX_THREADS if SIMULATOR else 1
+_WG_KINDS = ("bf16", "s8", "u8s8")     # wgmma_op's operand kinds
 
 if not SIMULATOR:
     from llvmlite import ir
@@ -213,11 +215,11 @@ if not SIMULATOR:
     # LLVM keeps in registers (constant indices only).
     def _wgmma(N, transb, kind="bf16"):
         NA = N // 2
-        s8 = kind == "s8"
+        s8 = kind in ("s8", "u8s8")     # integer kinds: s32 accumulators, no scale / transpose immediates
         tail = ", p;\n}" if s8 else ", p, 1, 1, " + str(int(transb)) + ";\n}"
+        shape = {"s8": "k32.s32.s8.s8 {", "u8s8": "k32.s32.u8.s8 {"}.get(kind, "k16.f32.bf16.bf16 {")
         text = ("{\n.reg .pred p;\nsetp.ne.b32 p, $" + str(NA + 5) + ", 0;\n"
-                "wgmma.mma_async.sync.aligned.m64n" + str(N) +
-                ("k32.s32.s8.s8 {" if s8 else "k16.f32.bf16.bf16 {") +
+                "wgmma.mma_async.sync.aligned.m64n" + str(N) + shape +
                 ", ".join("$" + str(i) for i in range(NA)) + "}, {$" + str(NA) + ", $" + str(NA + 1) +
                 ", $" + str(NA + 2) + ", $" + str(NA + 3) + "}, $" + str(NA + 4) + tail)
         ac, at = ("r", _i32) if s8 else ("f", _f32)
@@ -252,7 +254,10 @@ if not SIMULATOR:
         """Device function wg(acc, a0, a1, a2, a3, desc, scale_d, sm, scr): acc (N/2 f32, local array)
         = A (64x16, registers) @ B (16xN, descriptor) + (acc if scale_d else 0).  B is K-major
         (transb=0) or MN-major (transb=1).  kind="s8": m64nNk32 int8 x int8 -> int32 (acc int32,
-        K-major B only).  Issue only: wg_commit() + wg_wait0() before reading acc."""
+        K-major B only); kind="u8s8": the same with A unsigned (uint8 A x int8 B).  Issue only:
+        wg_commit() + wg_wait0() before reading acc."""
+        assert kind in _WG_KINDS and not (transb and kind != "bf16"), (kind, transb)
+        assert kind == "bf16" or N <= 32 and N % 8 == 0 or N % 16 == 0, (kind, N)
         key = (N, bool(transb), kind)
         f = _wg_cache.get(key)
         if f is None:
@@ -609,7 +614,7 @@ else:
             if ent[1] == 128:
                 del _wg_memo[key]
         D = ent[0]
-        s8 = kind == "s8"
+        s8 = kind in ("s8", "u8s8")
         w, ln = wt // 32, wt % 32
         g, t = ln // 4, ln % 4
         r0, r1 = D[16 * w + g], D[16 * w + g + 8]
@@ -625,7 +630,8 @@ else:
 
     def _wg_product(scr, base, desc, sm, N, transb, kind):
         words = np.asarray(scr[base:base + 512]).astype(np.int64).astype(np.uint32).reshape(4, 32, 4)
-        s8 = kind == "s8"
+        u8a = kind == "u8s8"        # A unsigned, B signed
+        s8 = kind == "s8" or u8a
         E = 4 if s8 else 2          # elements per 32-bit register
         K = 8 * E                   # 32 (int8) or 16 (bf16)
         A = np.zeros((64, K))
@@ -638,7 +644,7 @@ else:
                     u = int(words[w, ln, r])
                     for e in range(E):
                         if s8:
-                            A[row, col + e] = ((u >> (8 * e)) & 0xFF) - (256 if (u >> (8 * e)) & 0x80 else 0)
+                            A[row, col + e] = ((u >> (8 * e)) & 0xFF) - (256 if (u >> (8 * e)) & 0x80 and not u8a else 0)
                         else:
                             A[row, col + e] = _bits_to_f32((u >> (16 * e)) & 0xFFFF)
         start, lbo, sbo, swz = _desc_fields(desc)
@@ -661,6 +667,9 @@ else:
         return A @ B
 
     def wgmma_op(N, transb, kind="bf16"):
+        assert kind in _WG_KINDS and not (transb and kind != "bf16"), (kind, transb)
+        assert kind == "bf16" or N <= 32 and N % 8 == 0 or N % 16 == 0, (kind, N)
+
         @cuda.jit(device=True)
         def f(acc, a0, a1, a2, a3, desc, scale_d, sm, scr):
             _wg_sim(acc, (a0, a1, a2, a3), desc, scale_d, sm, scr, N, transb, kind)

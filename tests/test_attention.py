@@ -320,9 +320,9 @@ def _wg_layout(B, kind, transb):
     attention kernels use, and the descriptor's (LBO, SBO)."""
     import numpy as np
     K, N = B.shape
-    eb = 1 if kind == "s8" else 2
+    eb = 1 if kind in ("s8", "u8s8") else 2
     ce = 16 // eb                       # elements per 16-byte core-matrix row
-    raw = (B.numpy().astype(np.int8).view(np.uint8) if kind == "s8"
+    raw = (B.numpy().astype(np.int8).view(np.uint8) if eb == 1
            else B.contiguous().view(torch.int16).numpy().view(np.uint8).reshape(K, N, 2))
     img = np.zeros(K * N * eb, dtype=np.uint8)
     if not transb:   # K-major: chunk (n, k // ce) at (n // 8) * SBO + (k // ce) * LBO + (n % 8) * 16
@@ -335,7 +335,7 @@ def _wg_layout(B, kind, transb):
                 a = (n // 8) * sbo + (k // ce) * lbo + (n % 8) * 16 + (k % ce) * eb
             else:
                 a = (k // 8) * lbo + (n // ce) * sbo + (k % 8) * 16 + (n % ce) * eb
-            img[a:a + eb] = raw[k, n] if kind == "s8" else raw[k, n]
+            img[a:a + eb] = raw[k, n]
     return img.view(np.int32).copy(), lbo, sbo
 
 
@@ -343,7 +343,7 @@ def _wg_kernel(N, transb, kind, words, lbo, sbo):
     from numba import float32, int64
     wg = mma.wgmma_op(N, transb, kind)
     NA = N // 2
-    ACC = int32 if kind == "s8" else float32
+    ACC = int32 if kind in ("s8", "u8s8") else float32
     HI = ((lbo >> 4) << 16) | ((sbo >> 4) << 32)
     AL = None if runtime.SIMULATOR else 128
 
@@ -376,7 +376,7 @@ def _wg_kernel(N, transb, kind, words, lbo, sbo):
     return k
 
 
-@pytest.mark.parametrize("kind,N,transb", [("bf16", 64, 0), ("bf16", 32, 1), ("s8", 64, 0)])
+@pytest.mark.parametrize("kind,N,transb", [("bf16", 64, 0), ("bf16", 32, 1), ("s8", 64, 0), ("u8s8", 64, 0)])
 def test_wgmma_descriptor_layout(kind, N, transb):
     """One warpgroup: A (64 x K) from registers in the mma.m16n8k16/k32 fragment layout, B from
     shared memory through a no-swizzle descriptor (K-major or MN-major).  On an H200
@@ -385,9 +385,13 @@ def test_wgmma_descriptor_layout(kind, N, transb):
     if not runtime.SIMULATOR and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs sm_90")
     g = torch.Generator().manual_seed(4)
-    K = 32 if kind == "s8" else 16
+    K = 16 if kind == "bf16" else 32
     if kind == "s8":
         a = torch.randint(-127, 128, (64, K), generator=g, dtype=torch.int8)
+        b = torch.randint(-127, 128, (K, N), generator=g, dtype=torch.int8)
+        ref = a.int() @ b.int()
+    elif kind == "u8s8":    # A unsigned: bytes >= 128 must read as 128..255, not negative
+        a = torch.randint(0, 256, (64, K), generator=g, dtype=torch.uint8)
         b = torch.randint(-127, 128, (K, N), generator=g, dtype=torch.int8)
         ref = a.int() @ b.int()
     else:
@@ -396,7 +400,7 @@ def test_wgmma_descriptor_layout(kind, N, transb):
         ref = a.double() @ b.double()
     img, lbo, sbo = _wg_layout(b, kind, transb)
     aw = a.contiguous().view(torch.int32).numpy()          # [64, 8] words
-    d = np.zeros((64, N), dtype=np.int32 if kind == "s8" else np.float32)
+    d = np.zeros((64, N), dtype=np.float32 if kind == "bf16" else np.int32)
     if runtime.SIMULATOR:
         _wg_kernel(N, transb, kind, img.size, lbo, sbo)[1, 128](aw, img, d)
     else:

@@ -15,6 +15,8 @@ the fast profile)
   ``numba``       bf16 flash-attention forward: bf16 in, fp32 accumulate / softmax, bf16 out.
   ``numba-8bit``  SageAttention-style: S = Q8 K8^T on int8 tensor cores (exact int32), P (bf16) V
                   (the caller's bf16 V) on bf16 tensor cores.
+  ``numba-8bit-u8s8``  the same with P V on integers too (u8 P x s8 V, int8_wgmma_u8s8; Hopper d128
+                  only; an experiment of issue #38, forced only).
 ``reference`` (torch SDPA) is the op's reference; ``check`` / ``check_8bit`` say why a backend
 declines a call.  Measurements and the history of every variant tried: BENCHMARKS.md.
 
@@ -27,6 +29,8 @@ Kernels (one file each; ``config.select_bf16`` / ``select_int8`` pick one per de
   int8_wgmma   the bf16_wgmma structure with S on wgmma s8, the two warpgroups ping-ponging
                (named-barrier turns, stages released on mbarriers), a 4-stage ring; V chunk-major
                with a ones column (row sums from P V), a quarter of P's exp2 by a cubic on the FMA pipe.
+  int8_wgmma_u8s8  int8_wgmma with P V on wgmma u8 x s8 (Int8Config pv="u8s8"): u8 P per row and
+               64-key group, V as vt8's s8 V^T tiles with channel scales, int32 per group.
 The wgmma kernels run on sm_90 at head dim 128 only (``config.wgmma_ok``).
 
 Shared pieces, imported one way (``launch`` <- ``fragments``, ``softmax``, ``tile_kv``,
@@ -68,6 +72,7 @@ from .tile_kv import tile_kv, tile_kv_reference  # noqa: F401
 from .int8_format import (Quant8, quant8_reference, kmean_index, usable_pack, operands,  # noqa: F401
                           quantize_8bit, quantize_8bit_numba, _prepass, pack_vt, VT_KEYS,
                           reference_pack, scores8_reference, attention8_reference)
+from .vt8 import pack_vt8, pack_vt8_reference  # noqa: F401
 from . import config as configs  # noqa: F401  (the module; ``config`` is the backends' keyword)
 from .config import Bf16Config, Int8Config, build, select_bf16, select_int8, wgmma_ok  # noqa: F401
 
@@ -263,15 +268,38 @@ def numba_attention_8bit(q, k, v, mask=None, out=None, q8=None, config=None):
     (q8a, k8a, qsa, ksa), Lp = operands(q, k, pk, kernel.tile_kv)
     dst = _out_buffer(out, q)
     marr, mst = _mask_args(mask, B, H, L, q.device)
-    if vt is not None:
-        v = vt
-    elif kernel.tile_kv:                # wgmma: V as tile images for the bulk copies
-        v = tile_kv(v, None, kernel.tile_kv, chunk_major=kernel.v_chunk_major)[0]
-    args = (q8a, k8a, _words(v), qsa, ksa, _words(dst), marr,
-            v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2,
+    if kernel.v_s8:                     # integer P V: s8 V^T tiles + channel scales (int32 words)
+        vb = pack_vt8(v, kernel.tile_kv)
+        vw, vst = _c_arr(vb.view(-1)), (vb.stride(0), vb.stride(1), 0)
+    else:
+        if vt is not None:
+            v = vt
+        elif kernel.tile_kv:            # wgmma: V as tile images for the bulk copies
+            v = tile_kv(v, None, kernel.tile_kv, chunk_major=kernel.v_chunk_major)[0]
+        vw, vst = _words(v), (v.stride(0) // 2, v.stride(1) // 2, v.stride(2) // 2)
+    args = (q8a, k8a, vw, qsa, ksa, _words(dst), marr, *vst,
             dst.stride(0) // 2, dst.stride(1) // 2, mst[0], mst[1], mst[2], L, Lp, H, _LOG2E / math.sqrt(D))
     _go(kernel, L, B * H, args, q.device)
     return _finish(dst, out)
 
 
 registry.register_backend(OP, "numba-8bit", numba_attention_8bit, check=check_8bit, priority=5, auto=False)
+
+
+def check_8bit_u8s8(q, k, v, mask=None, out=None, q8=None):
+    why = check_8bit(q, k, v, mask, out)
+    if why:
+        return why
+    if not wgmma_ok(capability(q.device), q.shape[-1]):
+        return "the integer-P V kernel is a wgmma kernel: sm_90 at head dim 128 only"
+    return None
+
+
+def numba_attention_8bit_u8s8(q, k, v, mask=None, out=None, q8=None, config=None):
+    """The ``numba-8bit-u8s8`` backend (opt-in, never auto; issue #38): the 8-bit op with P V on
+    integers (``configs.INT8_WGMMA_U8S8``, or ``config``)."""
+    return numba_attention_8bit(q, k, v, mask, out, q8, config or configs.INT8_WGMMA_U8S8)
+
+
+registry.register_backend(OP, "numba-8bit-u8s8", numba_attention_8bit_u8s8, check=check_8bit_u8s8, priority=4,
+                          auto=False)

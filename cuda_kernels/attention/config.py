@@ -14,7 +14,7 @@ in BENCHMARKS.md (the attention section's history) and the tag reproduces them.
 """
 from dataclasses import dataclass
 
-from . import bf16_mma, bf16_wgmma, int8_mma, int8_wgmma
+from . import bf16_mma, bf16_wgmma, int8_mma, int8_wgmma, int8_wgmma_u8s8
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,10 @@ class Int8Config:
     header; the defaults are the kept kernel): ``ones`` (row sums from a ones column of V), ``tau``
     (rescale threshold, log2 units; 0: the max moves on every increase), ``biasacc`` (S accumulated
     onto the bits of 1.5 * 2^23), ``exp_poly`` (every exp_poly-th 8-key n-tile's exp2 on the FMA
-    pipe; 0: none).  The mma kernel has no such switches: they keep their defaults there."""
+    pipe; 0: none), ``pv`` (P V on "bf16" wgmma, or "u8s8": u8 P per row and 64-key group x s8 V per
+    channel on integer wgmma, int32 per group -- int8_wgmma_u8s8, the arithmetic of int8_pv_ref;
+    row sums in registers, so ``ones`` off).  The mma kernel has no such switches: they keep their
+    defaults there."""
     kind: str
     rows: int
     keys: int
@@ -59,15 +62,17 @@ class Int8Config:
     tau: float = 8.0
     biasacc: bool = True
     exp_poly: int = 4
+    pv: str = "bf16"
 
     def __post_init__(self):
         if self.kind == "mma":
             assert self.rows == 64 and self.keys == 64 and not (self.bulk or self.ping_pong), self
-            assert (self.ones, self.tau, self.biasacc, self.exp_poly) == (True, 8.0, True, 4), self
+            assert (self.ones, self.tau, self.biasacc, self.exp_poly, self.pv) == (True, 8.0, True, 4, "bf16"), self
         elif self.kind == "wgmma":
             assert self.rows == 128 and self.warpgroups == 2 and self.keys % 64 == 0, self
             assert self.stages >= 3 and self.bulk and self.ping_pong, self
             assert self.tau >= 0 and self.exp_poly >= 0 and (self.keys // 8) % max(self.exp_poly, 1) == 0, self
+            assert self.pv in ("bf16", "u8s8") and not (self.pv == "u8s8" and (self.ones or self.keys != 128)), self
         else:
             raise ValueError(f"unknown int8 attention kernel kind {self.kind!r}")
 
@@ -76,6 +81,9 @@ BF16_MMA = Bf16Config("mma", rows=64, keys=64)
 BF16_WGMMA = Bf16Config("wgmma", rows=128, keys=128, warpgroups=2, stages=3, bulk=True)
 INT8_MMA = Int8Config("mma", rows=64, keys=64)
 INT8_WGMMA = Int8Config("wgmma", rows=128, keys=128, warpgroups=2, stages=4, bulk=True, ping_pong=True)
+# the integer-P V variant (issue #38): opt-in (the registry's "numba-8bit-u8s8", benchmarks), selected nowhere
+INT8_WGMMA_U8S8 = Int8Config("wgmma", rows=128, keys=128, warpgroups=2, stages=4, bulk=True, ping_pong=True,
+                             ones=False, pv="u8s8")
 
 
 def wgmma_ok(cc, D, simulator=False):
@@ -113,9 +121,10 @@ def select_int8(cc, D):
     #   0.486-0.494, error 3.9% vs 1.26% (e4m3's 3-bit mantissa on P and V: 3.6% on random inputs in fp32
     #   emulation -- the 2% bar cannot hold with fp8 P V); S's int32 -> fp32 by the magic bias instead of
     #   I2F: 0.494 vs 0.486 (more instructions: the loop is not I2F-throughput-bound)
-    # not built yet: u8 P x s8 V^T on wgmma (torch reference: int8_pv_ref.py), P scaled per row and 64-key
-    #   group, each group's int32 P V scaled into the fp32 accumulator -- under 2% error in emulation, but a
-    #   second 68-register accumulator beside today's 236 registers needs a producer / consumer split (setmaxnreg)
+    # not selected (not measured yet): INT8_WGMMA_U8S8, u8 P x s8 V^T on wgmma (int8_wgmma_u8s8; torch reference
+    #   int8_pv_ref.py), P scaled per row and 64-key group, each group's int32 P V scaled into the fp32 O --
+    #   under 2% error in emulation; one int32 accumulator (group 1's product waits for group 0's conversion);
+    #   the issue's producer / consumer split (setmaxnreg) would hold a second one
     if wgmma_ok(cc, D):
         # the kept kernel (32-bit ring counters, ones column, rescale threshold, biased S, a quarter of the
         # exp2 on the FMA pipe: int8_wgmma's header); fed by qk_norm_rope's "qv" pack (Q8 + V's tile image)
@@ -137,6 +146,7 @@ def build(cfg, D, has_mask, per_token=False):
         if isinstance(cfg, Bf16Config):
             k = (bf16_mma if cfg.kind == "mma" else bf16_wgmma).make(cfg, D, bool(has_mask))
         else:
-            k = (int8_mma if cfg.kind == "mma" else int8_wgmma).make(cfg, D, bool(has_mask), bool(per_token))
+            mod = int8_mma if cfg.kind == "mma" else int8_wgmma_u8s8 if cfg.pv == "u8s8" else int8_wgmma
+            k = mod.make(cfg, D, bool(has_mask), bool(per_token))
         _built[key] = k
     return k

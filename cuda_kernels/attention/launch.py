@@ -33,13 +33,15 @@ class Kernel:
     (ceil(L / rows), B * H).  tile_kv > 0: K and V are passed as ``tile_kv(x, tile_kv)`` images
     (the bulk-copy kernels).  dyn_smem > 0: that many bytes of dynamic shared memory, opted in
     once per device before the first launch.  v_chunk_major: V as ``tile_kv(v, None, tile_kv,
-    chunk_major=True)``."""
+    chunk_major=True)``.  v_s8: V as ``vt8.pack_vt8(v, tile_kv)`` (s8 V^T tiles + channel scales:
+    the integer-P V kernel)."""
     kern: object
     rows: int
     threads: int
     tile_kv: int = 0
     dyn_smem: int = 0
     v_chunk_major: bool = False
+    v_s8: bool = False
 
 
 def normalize_mask(mask):
