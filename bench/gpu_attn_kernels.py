@@ -71,14 +71,44 @@ def kernel_int8(cfg, q, k, v, dst, marr):
     q8, k8, qs, ks, Lp = [x.clone() if torch.is_tensor(x) else x for x in A.quantize_8bit_numba(q, k)]
     if kern.tile_kv:
         k8 = A.tile_kv(k8.view(torch.int16), None, kern.tile_kv)[0].clone()
-        vv = A.tile_kv(v, None, kern.tile_kv, chunk_major=kern.v_chunk_major)[0].clone()
         k8a = LA._words(k8)
     else:
-        vv, k8a = v, LA._arr(k8)
-    args = (LA._arr(q8), k8a, LA._words(vv), LA._c_arr(qs), LA._c_arr(ks), LA._words(dst), marr,
-            vv.stride(0) // 2, vv.stride(1) // 2, vv.stride(2) // 2, dst.stride(0) // 2, dst.stride(1) // 2,
+        k8a = LA._arr(k8)
+    if kern.v_s8:     # integer P V: s8 V^T tiles + channel scales, packed beforehand
+        vb = A.pack_vt8(v, kern.tile_kv).clone()
+        vw, vst = LA._c_arr(vb.view(-1)), (vb.stride(0), vb.stride(1), 0)
+    else:
+        vv = A.tile_kv(v, None, kern.tile_kv, chunk_major=kern.v_chunk_major)[0].clone() if kern.tile_kv else v
+        vw, vst = LA._words(vv), (vv.stride(0) // 2, vv.stride(1) // 2, vv.stride(2) // 2)
+    args = (LA._arr(q8), k8a, vw, LA._c_arr(qs), LA._c_arr(ks), LA._words(dst), marr,
+            *vst, dst.stride(0) // 2, dst.stride(1) // 2,
             0, 0, 0, L, Lp, H, LA._LOG2E / D ** 0.5)
     return lambda: LA._go(kern, L, B * H, args, q.device)
+
+
+def chain(ref, dst, cfgs):
+    """The FLUX block's attention chain as the pack runs it: qk_norm_rope (RMSNorm + RoPE of the
+    qkv projection, text + image parts) then attention -- cuDNN SDPA, or an 8-bit kernel fed by
+    qk_norm_rope's quantising pack (quant8="qv": Q8 + per-token scales + V's tile image)."""
+    from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
+    g = torch.Generator(device=DEV).manual_seed(1)
+    L1 = 512 if not DRY else 30
+    bf = lambda *s_, sc=1.0: (torch.randn(*s_, device=DEV, generator=g) * sc).to(torch.bfloat16)  # noqa: E731
+    parts = [(bf(B, L1, 3 * H * D), bf(D, sc=0.1) + 1, bf(D, sc=0.1) + 1),
+             (bf(B, L - L1, 3 * H * D), bf(D, sc=0.1) + 1, bf(D, sc=0.1) + 1)]
+    ang = torch.rand(1, 1, L, D // 2, device=DEV, generator=g) * 6.283
+    pe = torch.stack([ang.cos(), -ang.sin(), ang.sin(), ang.cos()], -1).reshape(1, 1, L, D // 2, 2, 2)
+    q, k, v = QK.numba_qk_norm_rope(parts, pe, H, 1e-6)
+    cref = AC.ref32(q, k, v)
+    t = AC.graph_ms(lambda: QK.numba_qk_norm_rope(parts, pe, H, 1e-6))
+    rows.append(("chain", "  qk_norm_rope alone", f"{t:.4f} ms", "", "", ""))
+    add("chain", "qk_norm_rope + cuDNN SDPA",
+        lambda: A.reference(*QK.numba_qk_norm_rope(parts, pe, H, 1e-6), out=dst), dst, cref, 0.01)
+    for cfg in cfgs:
+        def run(cfg=cfg):
+            q_, k_, v_, pk = QK.numba_qk_norm_rope(parts, pe, H, 1e-6, quant8="qv")
+            A.numba_attention_8bit(q_, k_, v_, out=dst, q8=pk, config=cfg)
+        add("chain", f"qk_norm_rope(qv pack) + int8 {cfg.kind}{' u8s8' if cfg.pv == 'u8s8' else ''}", run, dst, cref, 0.02)
 
 
 def main():
@@ -96,7 +126,7 @@ def main():
     cc = A.capability(q.device)
     wg_ok = A.wgmma_ok(cc, D, DRY)
     bf = [C.BF16_MMA] + ([C.BF16_WGMMA] if wg_ok else [])
-    i8 = [C.INT8_MMA] + ([C.INT8_WGMMA] if wg_ok else [])
+    i8 = [C.INT8_MMA] + ([C.INT8_WGMMA, C.INT8_WGMMA_U8S8] if wg_ok else [])
     print(f"sm_{cc[0]}{cc[1]}: default bf16 {A.select_bf16(cc, D)}, 8-bit {A.select_int8(cc, D)}", flush=True)
     for cfg in bf:
         name = f"bf16 {cfg.kind}"
@@ -107,14 +137,19 @@ def main():
         add(name, "op", lambda: A.numba_attention(q, k, v, out=dst, config=cfg), dst, ref, 1.1 * e16 + 1e-4)
     pk = A.reference_pack(q, k)
     for cfg in i8:
-        name = f"int8 {cfg.kind}"
+        name = f"int8 {cfg.kind}" + (" u8s8 (integer P V)" if cfg.pv == "u8s8" else "")
         add(name, "kernel alone", kernel_int8(cfg, q, k, v, dst, marr), dst, ref, 0.02)
+        if cfg.pv == "u8s8":
+            tk = A.build(cfg, D, False).tile_kv
+            t = AC.graph_ms(lambda: A.pack_vt8(v, tk))
+            rows.append((name, "  pack_vt8 (V -> s8 V^T tiles)", f"{t:.4f} ms", "", "", ""))
         add(name, "op (pre-pass + kernel)", lambda: A.numba_attention_8bit(q, k, v, out=dst, config=cfg), dst, ref, 0.02)
 
         add(name, "op fed by a per-token pack", lambda: A.numba_attention_8bit(q, k, v, out=dst, q8=pk, config=cfg),
             dst, ref, 0.02)
     t = AC.graph_ms(lambda: A.quantize_8bit_numba(q, k))
     rows.append(("int8", "  pre-pass alone", f"{t:.4f} ms", "", "", ""))
+    chain(ref, dst, [cfg for cfg in i8 if cfg.kind == "wgmma"])
     try:   # comfy-kitchen's int8 attention (SageAttention-style; what ComfyUI's own int8 path runs)
         import comfy_kitchen as ck
         if not DRY and ck.int8_attention_is_available():

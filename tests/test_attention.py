@@ -816,3 +816,53 @@ def test_exp2_fma_matches_reference_and_exp2():
     hi = x > -120
     assert ((y[hi].double() / torch.exp2(x[hi].double()) - 1).abs().max() < 1e-4)
     assert (y >= 0).all() and (y[x < -126] < 1.2e-38).all()
+
+
+# --- the integer-P V kernel (Int8Config pv="u8s8", int8_wgmma_u8s8; issue #38): u8 P per row and
+# 64-key group x s8 V per channel on integer wgmma, against int8_pv_ref (its arithmetic in torch)
+
+@pytest.mark.parametrize("L,masked", [(40, False), (400, False), (200, True)])
+def test_attention_8bit_u8s8_matches_int8_pv_ref(L, masked):
+    # simulator, head dim 32: one partial tile, the ring wrapping with a ragged tail, a mask; the
+    # kernel's output vs the integer reference (both quantise Q K per block, V per channel, P per
+    # row and 64-key group) within 0.5%, and vs fp32 inside the 2% bar
+    from flux_numba_pack.cuda_kernels.attention import int8_pv_ref as R
+    _wgmma_at_d32()
+    B, H, D = 1, 1, 32
+    q, k, v = make(B, H, L, D, seed=L + 29)
+    k = (k + 1.0).to(torch.bfloat16)
+    mask = bool_mask(L, 3, 0) if masked else None
+    out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    A.numba_attention_8bit(q, k, v, mask, out=out, config=A.configs.INT8_WGMMA_U8S8)
+    assert torch.isfinite(out).all()
+    ri, r = R.attention_int8_pv_reference(q, k, v, mask), ref32(q, k, v, mask)
+    ei, e = rel(out, ri), rel(out, r)
+    print(f"u8s8 L={L} masked={masked}: vs int8_pv_ref {ei:.3%}, vs fp32 {e:.3%}")
+    assert ei < 5e-3 and e < 2e-2, (ei, e)
+
+
+@pytest.mark.parametrize("B,H,L,case,masked", [(1, 2, 1000, "random", False), (1, 2, 1000, "outliers", False),
+                                                (2, 2, 700, "outliers", True), (1, 2, 4608, "random", False),
+                                                (1, 1, 5, "random", False)])
+def test_attention_8bit_u8s8_hopper_d128(B, H, L, case, masked):
+    # the integer-P V kernel at head dim 128 on Hopper (FLUX's shape at L=4608), random and
+    # outlier-channel inputs (4 channels 30x), a mask, a tiny ragged L: finite, within 1% of
+    # int8_pv_ref (its arithmetic in torch; the GPU's exp2 and fp32 sums round differently), within
+    # 2% of fp32 on random inputs; through the registry's opt-in backend
+    from flux_numba_pack.cuda_kernels.attention import int8_pv_ref as R
+    _hopper_gpu_only("test_attention_8bit_u8s8_matches_int8_pv_ref")
+    D = 128
+    q, k, v = make(B, H, L, D, seed=L + 31)
+    k = (k + 1.0).to(torch.bfloat16)
+    if case == "outliers":
+        q, k, v = outlier_channels((q, k, v), seed=L + 1)
+    mask = bool_mask(L, 5, 2) if masked else None
+    out = torch.full((B, L, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    run_numba("numba-8bit-u8s8", q, k, v, mask, out=out)
+    assert torch.isfinite(out).all()
+    ri, r = R.attention_int8_pv_reference(q, k, v, mask), ref32(q, k, v, mask)
+    ei, e, eq = rel(out, ri), rel(out, r), rel(ri, r)
+    print(f"u8s8 d128 {case} L={L}: vs int8_pv_ref {ei:.3%}, vs fp32 {e:.3%} (reference {eq:.3%})")
+    assert ei < 1e-2, (ei, eq)
+    if case == "random":
+        assert e < 2e-2, e
