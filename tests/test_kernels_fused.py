@@ -18,7 +18,8 @@ from flux_numba_pack.cuda_kernels import ln_modulate as LM, gelu_tanh as GT, gat
 from flux_numba_pack.cuda_kernels import qk_norm_rope as QK
 from flux_numba_pack.flux_core import blocks
 
-from _kernel_testing import DEV, BF, rnd, strict_and_poison  # noqa: F401  (autouse fixture)
+from flux_numba_pack.cuda_kernels.config import QkConfig
+from _kernel_testing import DEV, BF, ROW_VARIANTS, rnd, strict_and_poison  # noqa: F401  (autouse fixture)
 FUSED_OPS = ("ln_modulate", "gated_residual", "gated_residual_ln_modulate", "qk_norm_rope", "gelu_tanh")
 
 pytestmark = pytest.mark.skipif(not jit.NUMBA_OK, reason="numba not importable")
@@ -41,22 +42,22 @@ def ref_of(op):
 
 # ------------------------------------------------------------------------------------ ln_modulate
 @pytest.fixture(params=["pipe", "late", "early"])
-def late(request, monkeypatch):
-    """Every row-kernel variant: pipelined (16-byte rows), one row per block with the modulation
-    vectors loaded in the last pass / with x.  The simulator's 2x2x2 grid makes each block
-    stride over several rows (the pipeline's prefetch of the next row is exercised)."""
-    monkeypatch.setattr(LM, "PIPE_BLOCKS", {0: 8, 1: 7} if request.param == "pipe" else {0: 0, 1: 0})
-    monkeypatch.setattr(LM, "LATE_VEC", {0: request.param != "early", 1: request.param != "early"})
+def late(request):
+    """Every row-kernel variant (``ROW_VARIANTS``, passed as ``config=``): pipelined (16-byte rows),
+    one row per block with the modulation vectors loaded in the last pass / with x.  The
+    simulator's 2x2x2 grid makes each block stride over several rows (the pipeline's prefetch of
+    the next row is exercised)."""
     return request.param
 
 
 def row_key(C, GATED, late):
     """The launcher a row kernel call must have used (C % 4: int16 scalars; C % 8: 8-byte
-    words; else 16-byte pairs -- the pipelined kernel when enabled)."""
+    words; else 16-byte pairs -- the pipelined kernel when enabled); a config other than the
+    default is the key's last element."""
     if late == "pipe" and C % 8 == 0:
-        return ("pipe", GATED)
+        return ("pipe", GATED, ROW_VARIANTS[late])
     key = (1, GATED, 1) if C % 4 else (4, GATED, 1) if C % 8 else (4, GATED, 2)
-    return key + ((1,) if late != "early" else ())
+    return key + ((1,) if late != "early" else ()) + (ROW_VARIANTS[late],)
 
 
 @pytest.mark.parametrize("B,L,C,offset", [(2, 7, 64, 0.0), (1, 5, 96, 30.0), (2, 3, 66, 0.5), (2, 3, 68, -1.0),
@@ -67,7 +68,7 @@ def test_ln_modulate(B, L, C, offset, late):
     mod = rnd(B, 1, 6 * C)  # shift/scale are chunks: unit stride on C, batch stride 6C
     sh, sc = mod[..., C:2 * C], mod[..., 2 * C:3 * C]
     with numba():
-        y = registry.call("ln_modulate", x, sh, sc, 1e-6)
+        y = registry.call("ln_modulate", x, sh, sc, 1e-6, config=ROW_VARIANTS[late])
     assert registry.last["ln_modulate"] == "numba"
     close(y, ref_of("ln_modulate")(x, sh, sc, 1e-6))
     # variant (VEC, GATED, VW): C % 4 -> int16 scalar; C % 8 -> 8-byte words; else 16-byte pairs
@@ -109,7 +110,7 @@ def test_gated_residual_ln_modulate(B, L, C, late):
     g, sh, sc = mod[..., 2 * C:3 * C], mod[..., 3 * C:4 * C], mod[..., 4 * C:5 * C]
     x1, x2 = x.clone(), x.clone()
     with numba():
-        h1 = registry.call("gated_residual_ln_modulate", x1, g, y, sh, sc, 1e-6)
+        h1 = registry.call("gated_residual_ln_modulate", x1, g, y, sh, sc, 1e-6, config=ROW_VARIANTS[late])
     h2 = ref_of("gated_residual_ln_modulate")(x2, g, y, sh, sc, 1e-6)
     assert torch.equal(x1, x2)
     close(h1, h2)
@@ -173,9 +174,9 @@ def rope_pe(Bp, L, D, theta=10000.0):
     return pe.reshape(Bp, 1, L, D // 2, 2, 2).float().to(DEV)
 
 
-def _qk_case(parts, pe, H):
+def _qk_case(parts, pe, H, **kw):
     with numba():
-        q, k, v = registry.call("qk_norm_rope", parts, pe, H, 1e-6)
+        q, k, v = registry.call("qk_norm_rope", parts, pe, H, 1e-6, **kw)
     qr, kr, vr = ref_of("qk_norm_rope")(parts, pe, H, 1e-6)
     for o in (q, k, v):  # [B, H, L, D] views of [B, L, H, D] memory (attention output reshapes for free)
         assert o.transpose(1, 2).is_contiguous()
@@ -196,21 +197,17 @@ def test_qk_norm_rope_two_parts(D, pe_batch, pad):
     _qk_case([(txt, scales[0], scales[1]), (img, scales[2], scales[3])], pe, H)
 
 
-def test_qk_norm_rope_head_chunks(monkeypatch):
+def test_qk_norm_rope_head_chunks():
     """More heads than one block holds: grid z over head chunks, a partial last chunk, D=128."""
-    monkeypatch.setattr(QK, "MAX_THREADS", 32)
-    QK._threads.cache_clear()
-    try:
-        torch.manual_seed(12)
-        B, H, D, L1, L2 = 1, 5, 128, 2, 3
-        txt = rnd(B, L1, 3 * H * D, scale=2.0)
-        img = rnd(B, L2, 3 * H * D)
-        s = [rnd(D, offset=1.0) for _ in range(4)]
-        assert QK._threads(D // 8, H) == (32, 3)
-        _qk_case([(txt, s[0], s[1]), (img, s[2], s[3])], rope_pe(1, L1 + L2, D), H)
-        assert QK._launchers[(2, 0, 0)].kernel is not None
-    finally:
-        QK._threads.cache_clear()
+    cfg = QkConfig(max_threads=32, min_blocks=8)
+    torch.manual_seed(12)
+    B, H, D, L1, L2 = 1, 5, 128, 2, 3
+    txt = rnd(B, L1, 3 * H * D, scale=2.0)
+    img = rnd(B, L2, 3 * H * D)
+    s = [rnd(D, offset=1.0) for _ in range(4)]
+    assert QK._threads(D // 8, H, cfg.max_threads) == (32, 3)
+    _qk_case([(txt, s[0], s[1]), (img, s[2], s[3])], rope_pe(1, L1 + L2, D), H, config=cfg)
+    assert QK._launchers[(2, 0, 0, cfg)].kernel is not None
 
 
 def test_qk_norm_rope_single_strided():
@@ -389,8 +386,8 @@ def test_intrinsics_names_and_launching_state():
     assert intrinsics.pack4 is device.pack4 and intrinsics.RED_SMEM == device.RED_SMEM
     assert intrinsics.Launcher is launching.Launcher and intrinsics.cached_launcher is launching.cached_launcher
     assert all(hasattr(intrinsics, n) for n in intrinsics.__all__)
-    assert intrinsics.compile_gate is launching.compile_gate and intrinsics.FORCE_VW1 is launching.FORCE_VW1
-    for name in ("FORCE_VW1", "PREPARED", "_FAST_OK", "compile_gate"):
+    assert intrinsics.compile_gate is launching.compile_gate and intrinsics.PREPARED is launching.PREPARED
+    for name in ("PREPARED", "_FAST_OK", "compile_gate"):
         with pytest.raises(AttributeError):
             setattr(intrinsics, name, getattr(launching, name))
 
