@@ -26,7 +26,6 @@ Per-case errors are caught and reported; the table is printed last.
 """
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -48,6 +47,7 @@ import _pack  # noqa: E402
 
 _pack.load()
 import _rows_common as RC  # noqa: E402  (bench/, beside this script)
+import timing  # noqa: E402  (bench/timing.py)
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import fp8_format as F8, fp8_rows as FR  # noqa: E402
 from flux_numba_pack.cuda_kernels import ln_modulate as LM, gated_residual as GR  # noqa: E402
@@ -94,20 +94,9 @@ rnd = RC.make_rnd(DEV)
 
 
 def device_time_us(fn, reps=REPS, warm=3):
-    """Median device time of one call: events around it with ~1 ms of GPU sleep queued before,
+    """Median device time (us) of one call: events around it with ~1 ms of GPU sleep queued before,
     so the host's launch cost is hidden."""
-    for _ in range(warm if not SIM else 0):
-        fn()
-    ev = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)
-        s.record()
-        fn()
-        e.record()
-        ev.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev) * 1e3
+    return timing.median_ms(fn, reps, warm if not SIM else 0, sleep_cycles=2_000_000) * 1e3
 
 
 def ordinal(q):

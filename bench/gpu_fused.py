@@ -22,7 +22,6 @@ linear2-input buffer, pe random fp32 [1, 1, 4608, 64, 2, 2]).
 import json
 import os
 import re
-import statistics
 import sys
 import time
 import traceback
@@ -40,6 +39,7 @@ import _pack  # noqa: E402
 
 _pack.load()
 import _rows_common as RC  # noqa: E402  (bench/, beside this script)
+import timing  # noqa: E402  (bench/timing.py)
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import launching  # noqa: E402
 from flux_numba_pack.cuda_kernels import ln_modulate as LM, gated_residual as GR  # noqa: E402
@@ -158,29 +158,12 @@ def copy_us(nbytes):
 
 
 def device_time_us(fn, reps=25, warm=3):
-    for _ in range(warm):
-        fn()
-    s = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    e = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work queued: host overhead is hidden
-        s[i].record()
-        fn()
-        e[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in zip(s, e)) * 1e3
+    """Median device time (us) of one call, ~1 ms of GPU work queued before each: host overhead is hidden."""
+    return timing.median_ms(fn, reps, warm, sleep_cycles=2_000_000) * 1e3
 
 
 def host_time_us(fn, n=50):
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(20_000_000)  # keep the GPU busy: measure enqueue cost, not waiting
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    return timing.host_us(fn, n)
 
 
 # --------------------------------------------------------------------------------------- cases
