@@ -287,12 +287,13 @@ def main():
             with ClockLog(dev) as clk:
                 times = step_times(fn, dev, warmup=a.warmup, reps=a.reps)
             replayed = None if gf is None else gf.replays - replays0
-            host = host_ms(fn, dev, a.reps) if dev.type == "cuda" else None
+            import timing  # bench/timing.py (bench/ is on sys.path)
+            host = timing.wall_ms(fn, a.reps, dev) if dev.type == "cuda" else None  # host-bound when above the event time
             out = fn()
             used = registry.take_usage()
             r = {"ms": med(times), "times": times, "first_call_s": first, "gpu_clocks": clk.summary(),
                  "host_ms": host,
-                 "ms_back_to_back": back_to_back_ms(fn, a.reps) if dev.type == "cuda" else None,
+                 "ms_back_to_back": timing.back_to_back_ms(fn, a.reps) if dev.type == "cuda" else None,
                  "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else None,
                  "backends": {op: sorted(b) for op, b in used.items()}}
             if gf is not None:  # a +graph row is a graph time only if its timed calls replayed the graph
@@ -429,37 +430,6 @@ def _strict_json(x):
     return x
 
 
-
-
-def host_ms(fn, dev, n):
-    """Median host time to enqueue one forward (the device idle at the start, no sync at the end):
-    when it exceeds the event time, the eager step is host-bound."""
-    import statistics
-    import torch
-    ts = []
-    for _ in range(n):
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize(dev)
-    return statistics.median(ts)
-
-
-
-def back_to_back_ms(fn, n):
-    """ms per step with n steps queued back to back (one pair of events, no sync in between), as a
-    sampler runs them when nothing syncs between steps: the host prologue of step i+1 overlaps the
-    GPU work of step i.  ``ms`` (one synchronized step per pair of events) includes it."""
-    import torch
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / n
 
 
 def _ref_call(ref, x, t, ctx, y, g, registry, BlockContext):

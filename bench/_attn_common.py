@@ -9,6 +9,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+import timing  # bench/timing.py, beside this module
+
 DRY = False
 T0 = time.time()
 results = {}  # JSON of the run
@@ -79,37 +81,17 @@ def ref32(q, k, v, mask=None):
 
 
 def time_ms(fn, reps=25, warm=3):
-    """Median ms of one call between two events (dry: one wall-clock call)."""
+    """Median ms of one call between two events (dry: one wall-clock call; timing.median_ms)."""
     if DRY:
         reps, warm = 1, 0
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ev = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        ev.append((s, e))
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in ev)
-    return ts[len(ts) // 2]
+    return timing.median_ms(fn, reps, warm)
 
 
 def graph_ms(fn, n=10):
-    """Device time of one call: n calls captured in one CUDA graph, median replay / n."""
+    """Device time of one call: n calls captured in one CUDA graph, median replay / n (dry: time_ms)."""
     if DRY:
         return time_ms(fn)
-    fn()
-    torch.cuda.synchronize()
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for _ in range(n):
-            fn()
-    t = time_ms(gr.replay, reps=20) / n
-    del gr
-    return t
+    return timing.graph_ms(fn, n, reps=20)
 
 
 def finish(json_name, obj, title, rows):

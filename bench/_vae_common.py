@@ -14,6 +14,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import _pack  # noqa: E402
+import timing  # noqa: E402  (bench/timing.py, beside this module)
 
 _pack.load()
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
@@ -48,32 +49,8 @@ def median_ms(fn, warm=3, rep=25):
 
 
 def device_ms(fn, reps=10, trials=3):
-    """(device ms per call, host us per call, queued ok): ``reps`` back-to-back calls queued behind
-    a GPU sleep long enough to cover their host launch time, so the events bracket device work
-    only; median over ``trials``.  Host us/call = wall time of issuing the calls (no sync)."""
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    host = time.perf_counter() - t
-    torch.cuda.synchronize()
-    cycles = int(max(4_000_000, 3.0 * host * 2.0e9))  # ~2 GHz: 3x the host time of the loop
-    devs, hosts = [], []
-    for _ in range(trials):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(cycles)
-        s.record()
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        hosts.append(time.perf_counter() - t)
-        e.record()
-        e.synchronize()
-        devs.append(s.elapsed_time(e) / reps)
-    dev = sorted(devs)[len(devs) // 2]
-    h = sorted(hosts)[len(hosts) // 2]
-    return dev, h / reps * 1e6, h * 1e3 < 0.8 * cycles / 2.0e6
+    """(device ms per call, host us per call, queued ok): ``timing.queued_ms``."""
+    return timing.queued_ms(fn, reps, trials)
 
 
 def ours(x, G, w, b, eps, silu):

@@ -16,9 +16,9 @@ if [ -n "${AB:-}" ]; then
   timeout ${AB_T:-240} python3 bench/gpu_attn_ab.py $AB --rounds ${ROUNDS:-5} ${AB_ARGS:-} > "$R/ab.txt" 2>&1
   echo "ab rc=$? $(( $(date +%s) - t0 )) s" >> "$R/parts.txt"; pack
 fi
-if [ -n "${PYTEST_K:-}" ]; then   # correctness on the GPU first (tests/test_attention.py -k PYTEST_K)
+if [ -n "${PYTEST_K:-}" ]; then   # correctness on the GPU first (tests/test_attention*.py -k PYTEST_K)
   t0=$(date +%s)
-  timeout ${PYTEST_T:-200} python3 -m pytest -q -p no:cacheprovider ${PYTEST_FILES:-tests/test_attention.py} -k "$PYTEST_K" > "$R/pytest.txt" 2>&1
+  timeout ${PYTEST_T:-200} python3 -m pytest -q -p no:cacheprovider ${PYTEST_FILES:-tests/test_attention.py tests/test_attention_numba.py tests/test_attention_mma.py} -k "$PYTEST_K" > "$R/pytest.txt" 2>&1
   echo "pytest rc=$? $(( $(date +%s) - t0 )) s: $(tail -1 "$R/pytest.txt")" >> "$R/parts.txt"; pack
 fi
 for v in ${NCU:-}; do   # LABEL (a tree of AB) -> full section set of one warm launch
@@ -36,7 +36,7 @@ for tool in ${SAN:-}; do   # the 8-bit wgmma kernel's GPU tests under each tool
   t0=$(date +%s)
   extra=""; [ "$tool" = synccheck ] && export FLUX_TEST_MATH_SDPA=1
   timeout ${SAN_T:-150} "$SANB" --tool "$tool" --error-exitcode 9 --print-limit 50 --report-api-errors no \
-    python3 -m pytest -q -p no:cacheprovider ${PYTEST_FILES:-tests/test_attention.py} \
+    python3 -m pytest -q -p no:cacheprovider ${PYTEST_FILES:-tests/test_attention.py tests/test_attention_numba.py tests/test_attention_mma.py} \
     -k "${SAN_K:-8bit_default_hopper}" > "$R/san_$tool.txt" 2>&1
   echo "sanitizer $tool rc=$? $(( $(date +%s) - t0 )) s: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY| passed| failed' "$R/san_$tool.txt" | tail -3 | tr '\n' ' ')" >> "$R/parts.txt"
   pack

@@ -66,7 +66,7 @@ for part in ${PARTS:-server033 bench vae}; do
     attn)     # the attention kernels at the FLUX shape (bench/gpu_attn_kernels.py)
       OUT=$R timeout ${ATTN_T:-200} python3 bench/gpu_attn_kernels.py > "$R/attn.txt" 2>&1;;
     pytest)   # GPU runs of tests (PYTEST_ARGS: files / options without spaces inside one; PYTEST_K: a -k expression)
-      FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=$COMFY080 timeout ${PYTEST_T:-300} python3 -m pytest -q -x ${PYTEST_ARGS:-tests/test_attention.py} ${PYTEST_K:+-k "$PYTEST_K"} \
+      FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=$COMFY080 timeout ${PYTEST_T:-300} python3 -m pytest -q -x ${PYTEST_ARGS:-tests/test_attention.py tests/test_attention_numba.py tests/test_attention_mma.py} ${PYTEST_K:+-k "$PYTEST_K"} \
         > "$R/pytest.txt" 2>&1;;
     vae)
       FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=$COMFY080 timeout ${VAE_T:-100} python3 bench/gpu_vae.py --decoder-only > "$R/vae080.txt" 2>&1;;

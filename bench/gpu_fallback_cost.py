@@ -33,7 +33,9 @@ def main():
     import comfy.model_management as mm
     import comfy.sd
     sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
     import _pack
+    import timing  # bench/timing.py
     _pack.load()
     from flux_numba_pack.nodes.patch import apply as patch_apply, stats
     from flux_numba_pack.flux_core import blocks
@@ -52,17 +54,10 @@ def main():
     def timed(mp, label):
         dm = mp.model.diffusion_model
         to = dict(mp.model_options["transformer_options"])
-        ev = []
-        with torch.inference_mode():
-            for i in range(3 + a.reps):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                dm(x, t, ctx, y=y, guidance=gd, transformer_options=dict(to))
-                e.record()
-                torch.cuda.synchronize()
-                if i >= 3:
-                    ev.append(s.elapsed_time(e))
-        med = statistics.median(ev)
+        with torch.inference_mode():  # 3 warm-up forwards timed and dropped, then a.reps
+            ev = timing.event_times(lambda: dm(x, t, ctx, y=y, guidance=gd, transformer_options=dict(to)),
+                                    reps=3 + a.reps, warm=0, sync_each=True)[3:]
+        med = timing.median(ev)
         print(f"[cost] {label:10} {med:8.2f} ms/forward (median of {a.reps}, spread {min(ev):.2f}-{max(ev):.2f})", flush=True)
         return med
 

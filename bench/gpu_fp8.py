@@ -26,7 +26,6 @@ Per-case errors are caught and reported; the table is printed last.
 """
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -48,9 +47,11 @@ import _pack  # noqa: E402
 
 _pack.load()
 import _rows_common as RC  # noqa: E402  (bench/, beside this script)
+import timing  # noqa: E402  (bench/timing.py)
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import fp8_format as F8, fp8_rows as FR  # noqa: E402
 from flux_numba_pack.cuda_kernels import ln_modulate as LM, gated_residual as GR  # noqa: E402
+from flux_numba_pack.cuda_kernels.config import Fp8RowsConfig, RowsConfig  # noqa: E402
 
 T0 = time.time()
 CEIL = 3.7e12
@@ -93,20 +94,9 @@ rnd = RC.make_rnd(DEV)
 
 
 def device_time_us(fn, reps=REPS, warm=3):
-    """Median device time of one call: events around it with ~1 ms of GPU sleep queued before,
+    """Median device time (us) of one call: events around it with ~1 ms of GPU sleep queued before,
     so the host's launch cost is hidden."""
-    for _ in range(warm if not SIM else 0):
-        fn()
-    ev = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)
-        s.record()
-        fn()
-        e.record()
-        ev.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev) * 1e3
+    return timing.median_ms(fn, reps, warm if not SIM else 0, sleep_cycles=2_000_000) * 1e3
 
 
 def ordinal(q):
@@ -244,32 +234,23 @@ def do_case(cs):
 
 
 class Variant:
-    def __init__(self, name, cases, setup):
-        self.name, self.cases, self.setup = name, cases, setup
+    """A configuration other than the default: ``config`` (an Fp8RowsConfig or a RowsConfig, for
+    the ops of ``cases``) is passed to their numba calls (``config=``; its launchers and occupancy
+    answers are cached beside the default's)."""
 
-    def __enter__(self):
-        self.saved = (FR._launchers, LM._launchers, dict(FR.LB), dict(LM.PIPE_BLOCKS), dict(LM.LATE_VEC), dict(LM._occupancy))
-        FR._launchers, LM._launchers = {}, {}
-        LM._occupancy.clear()
-        self.setup()
-
-    def __exit__(self, *exc):
-        FR._launchers, LM._launchers = self.saved[0], self.saved[1]
-        FR.LB.clear(); FR.LB.update(self.saved[2])  # noqa: E702
-        LM.PIPE_BLOCKS.clear(); LM.PIPE_BLOCKS.update(self.saved[3])  # noqa: E702
-        LM.LATE_VEC.clear(); LM.LATE_VEC.update(self.saved[4])  # noqa: E702
-        LM._occupancy.clear(); LM._occupancy.update(self.saved[5])  # noqa: E702
+    def __init__(self, name, cases, config):
+        self.name, self.cases, self.config = name, cases, config
 
 
 VARIANTS = [
     Variant("rows kernel launch_bounds (512, 1): no spill, 1 block/SM at 480 threads",
-            ["gelu_tanh_fp8 img", "attn_gelu_fp8 single"], lambda: FR.LB.update({(4, 2): (512, 1)})),
+            ["gelu_tanh_fp8 img", "attn_gelu_fp8 single"], Fp8RowsConfig(lb16=(512, 1))),
     Variant("ln fp8: one row per block (no pipeline), vectors late", ["ln_modulate_fp8 img", "ln_modulate_fp8 single"],
-            lambda: LM.PIPE_BLOCKS.update({0: 0, 1: 0})),
+            RowsConfig(pipe_blocks=0, pipe_blocks_gated=0)),
     Variant("ln fp8: one row per block, vectors with x", ["ln_modulate_fp8 img", "gated_res_ln_mod_fp8 img"],
-            lambda: (LM.PIPE_BLOCKS.update({0: 0, 1: 0}), LM.LATE_VEC.update({0: False, 1: False}))),
+            RowsConfig(pipe_blocks=0, pipe_blocks_gated=0, late=False, late_gated=False)),
     Variant("gated fp8: pipelined (occupancy-sized grid)", ["gated_res_ln_mod_fp8 img"],
-            lambda: LM.PIPE_BLOCKS.update({1: 8})),
+            RowsConfig(pipe_blocks_gated=8)),
 ]
 
 
@@ -278,22 +259,21 @@ def variants():
     for v in VARIANTS:
         for name in v.cases:
             try:
-                with v:
-                    cs = allc[name]
-                    args, kwargs = cs["make"]()
-                    inplace = cs.get("inplace", False)
-                    a_r = (args[0].clone(),) + tuple(args[1:]) if inplace else args
-                    ref = run(cs["op"], "torch", *a_r, **kwargs)
-                    a_n = (args[0].clone(),) + tuple(args[1:]) if inplace else args
-                    with Poison():
-                        got = run(cs["op"], "numba", *a_n, **kwargs)
-                    dmax, n1, srel, nans = compare_fp8(got, ref)
-                    ok = nans == 0 and dmax <= 1 and srel <= 1e-6
-                    t = device_time_us(lambda: run(cs["op"], "numba", *args, **kwargs))
-                    floor = cs["bytes"] / CEIL * 1e6
-                    note(f"{name} [{v.name}]", ok=ok, fp8_us=round(t, 1), pct_of_3p7=round(100 * floor / t, 1))
-                    rows.append((f"  {name} [{v.name}]", "OK" if ok else "FAIL", f"{dmax}/{n1}", f"{srel:.0e}", "",
-                                 f"{t:.1f}", f"{floor:.1f}", f"{100 * floor / t:.0f}%", "", "", ""))
+                cs = allc[name]
+                args, kwargs = cs["make"]()
+                inplace = cs.get("inplace", False)
+                a_r = (args[0].clone(),) + tuple(args[1:]) if inplace else args
+                ref = run(cs["op"], "torch", *a_r, **kwargs)
+                a_n = (args[0].clone(),) + tuple(args[1:]) if inplace else args
+                with Poison():
+                    got = run(cs["op"], "numba", *a_n, config=v.config, **kwargs)
+                dmax, n1, srel, nans = compare_fp8(got, ref)
+                ok = nans == 0 and dmax <= 1 and srel <= 1e-6
+                t = device_time_us(lambda: run(cs["op"], "numba", *args, config=v.config, **kwargs))
+                floor = cs["bytes"] / CEIL * 1e6
+                note(f"{name} [{v.name}]", ok=ok, fp8_us=round(t, 1), pct_of_3p7=round(100 * floor / t, 1))
+                rows.append((f"  {name} [{v.name}]", "OK" if ok else "FAIL", f"{dmax}/{n1}", f"{srel:.0e}", "",
+                             f"{t:.1f}", f"{floor:.1f}", f"{100 * floor / t:.0f}%", "", "", ""))
             except Exception as e:
                 traceback.print_exc()
                 note(f"{name} [{v.name}]", ok=False, error=f"{type(e).__name__}: {e}")

@@ -22,7 +22,6 @@ linear2-input buffer, pe random fp32 [1, 1, 4608, 64, 2, 2]).
 import json
 import os
 import re
-import statistics
 import sys
 import time
 import traceback
@@ -40,10 +39,12 @@ import _pack  # noqa: E402
 
 _pack.load()
 import _rows_common as RC  # noqa: E402  (bench/, beside this script)
+import timing  # noqa: E402  (bench/timing.py)
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import launching  # noqa: E402
 from flux_numba_pack.cuda_kernels import ln_modulate as LM, gated_residual as GR  # noqa: E402
 from flux_numba_pack.cuda_kernels import gelu_tanh as GT, qk_norm_rope as QK  # noqa: E402
+from flux_numba_pack.cuda_kernels.config import GELU, RowsConfig  # noqa: E402
 
 T0 = time.time()
 CEIL = 3.7e12
@@ -92,7 +93,7 @@ def ptx_report():
     for mod in (LM, GR, QK):
         for k, mk in mod.PTX_CASES.items():
             cases[k] = mk()
-    for key, nw in GT.NW_FOR.items():
+    for key, nw in GELU.nw_for().items():
         dt = i64 if key[0] == 4 else i16
         cases["gelu v%dw%d" % key] = (GT.make_gelu_kernel(key[0], nw, key[1]), (A(dt, 3),) * 2 + (i64,))
     pats = [("ld8B", r"\bld\.(global\.)?(u|b|s)64\b"), ("ld.v", r"\bld\.(global\.)?v[24]"),
@@ -157,29 +158,12 @@ def copy_us(nbytes):
 
 
 def device_time_us(fn, reps=25, warm=3):
-    for _ in range(warm):
-        fn()
-    s = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    e = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work queued: host overhead is hidden
-        s[i].record()
-        fn()
-        e[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in zip(s, e)) * 1e3
+    """Median device time (us) of one call, ~1 ms of GPU work queued before each: host overhead is hidden."""
+    return timing.median_ms(fn, reps, warm, sleep_cycles=2_000_000) * 1e3
 
 
 def host_time_us(fn, n=50):
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(20_000_000)  # keep the GPU busy: measure enqueue cost, not waiting
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    return timing.host_us(fn, n)
 
 
 # --------------------------------------------------------------------------------------- cases
@@ -271,65 +255,23 @@ def do_case(cs):
                  f"{h_nb:.0f}/{h_ref:.0f}", f"{t_cp:.1f} ({100 * t_cp / t_nb:.0f}%)"))
 
 
-def _swap_launchers(mod):
-    saved = mod._launchers
-    mod._launchers = {}
-    return saved
-
-
 class Variant:
-    """A kernel configuration other than the default, set for the duration of a ``with``."""
+    """A kernel configuration other than the default: ``config`` (here a RowsConfig) is passed to the
+    numba calls of ``cases`` (``config=``; its launchers are cached beside the default's)."""
 
-    def __init__(self, name, cases, setup):
-        self.name, self.cases, self.setup = name, cases, setup
-
-    def __enter__(self):
-        self.saved = {m: _swap_launchers(m) for m in (LM, GR, GT, QK)}
-        self.knobs = (launching.FORCE_VW1, dict(LM.NW_FOR), dict(GT.NW_FOR), QK.MAX_THREADS, dict(QK.LB),
-                      dict(LM.LATE_VEC), dict(LM.PIPE_BLOCKS))
-        self.setup()
-        QK._threads.cache_clear()
-
-    def __exit__(self, *exc):
-        for m, la in self.saved.items():
-            m._launchers = la
-        launching.FORCE_VW1 = self.knobs[0]
-        LM.NW_FOR.clear(); LM.NW_FOR.update(self.knobs[1])  # noqa: E702
-        GT.NW_FOR.clear(); GT.NW_FOR.update(self.knobs[2])  # noqa: E702
-        QK.MAX_THREADS = self.knobs[3]
-        QK.LB.clear(); QK.LB.update(self.knobs[4])  # noqa: E702
-        LM.LATE_VEC.clear(); LM.LATE_VEC.update(self.knobs[5])  # noqa: E702
-        LM.PIPE_BLOCKS.clear(); LM.PIPE_BLOCKS.update(self.knobs[6])  # noqa: E702
-        QK._threads.cache_clear()
-
-
-def _set(**kw):
-    def f():
-        if "vw1" in kw:
-            launching.FORCE_VW1 = True
-        if "late" in kw:
-            LM.LATE_VEC.update({0: bool(kw["late"]), 1: bool(kw["late"])})
-        if "pipe" in kw:
-            LM.PIPE_BLOCKS.update({0: kw["pipe"], 1: kw["pipe"]})
-        if "row_nw" in kw:
-            LM.NW_FOR[(4, 2)] = kw["row_nw"]
-        if "gelu_nw" in kw:
-            GT.NW_FOR[(4, 2)] = kw["gelu_nw"]
-        if "qk_threads" in kw:
-            QK.MAX_THREADS = kw["qk_threads"]
-            QK.LB.clear()
-            if kw.get("qk_lb"):
-                QK.LB["launch_bounds"] = kw["qk_lb"]
-    return f
+    def __init__(self, name, cases, config):
+        self.name, self.cases, self.config = name, cases, config
 
 
 MAIN = ["ln_modulate img", "gated_residual img", "gated_res_ln_mod img", "qk_norm_rope double",
         "gelu_tanh single->buf", "gelu_tanh img"]
 ROWK = ["ln_modulate img", "ln_modulate single", "ln_modulate txt", "gated_res_ln_mod img", "gated_res_ln_mod txt"]
 VARIANTS = [
-    Variant("row kernels: one row per block, vectors with x (run 7)", ROWK, _set(pipe=0, late=0)),
-    Variant("row kernels: one row per block, vectors late", ROWK, _set(pipe=0, late=1)),
-    Variant("row kernels: pipelined, 8 blocks/SM", ROWK, _set(pipe=8)),
+    Variant("row kernels: one row per block, vectors with x (run 7)", ROWK,
+            RowsConfig(pipe_blocks=0, pipe_blocks_gated=0, late=False, late_gated=False)),
+    Variant("row kernels: one row per block, vectors late", ROWK,
+            RowsConfig(pipe_blocks=0, pipe_blocks_gated=0, late=True, late_gated=True)),
+    Variant("row kernels: pipelined, 8 blocks/SM", ROWK, RowsConfig(pipe_blocks=8, pipe_blocks_gated=8)),
 ]
 
 
@@ -341,26 +283,25 @@ def variants():
             note("variants", skipped_from=v.name, reason="time budget")
             break
         try:
-            with v:
-                for name in v.cases:
-                    cs = allc[name]
-                    args, kwargs = cs["make"]()
-                    inplace = cs.get("inplace", False)
-                    a_r, k_r = clone_args(args, kwargs, inplace)
-                    ref = flat(run(cs["op"], "torch", *a_r, **k_r)) + ([a_r[0]] if inplace else [])
-                    a_n, k_n = clone_args(args, kwargs, inplace)
-                    with Poison():
-                        out = flat(run(cs["op"], "numba", *a_n, **k_n)) + ([a_n[0]] if inplace else [])
-                    err, _, nans = compare(out, ref)
-                    ok = nans == 0 and err < 1e-2
-                    t_nb = device_time_us(lambda: run(cs["op"], "numba", *args, **kwargs))
-                    gbs = cs["bytes"] / (t_nb * 1e-6) / 1e9
-                    t_cp = copy_us(cs["bytes"])
-                    note(f"{name} [{v.name}]", ok=ok, rel_err=f"{err:.2e}", numba_us=round(t_nb, 1), GBps=round(gbs),
-                         pct_ceiling=round(100 * gbs * 1e9 / CEIL, 1), pct_of_copy=round(100 * t_cp / t_nb, 1))
-                    rows.append((f"{name} [{v.name}]", "OK" if ok else "FAIL", f"{err:.1e}", "", "", f"{t_nb:.1f}",
-                                 f"{cs['bytes'] / CEIL * 1e6:.1f}", f"{gbs:.0f}", f"{100 * gbs * 1e9 / CEIL:.0f}%", "", "",
-                                 f"{t_cp:.1f} ({100 * t_cp / t_nb:.0f}%)"))
+            for name in v.cases:
+                cs = allc[name]
+                args, kwargs = cs["make"]()
+                inplace = cs.get("inplace", False)
+                a_r, k_r = clone_args(args, kwargs, inplace)
+                ref = flat(run(cs["op"], "torch", *a_r, **k_r)) + ([a_r[0]] if inplace else [])
+                a_n, k_n = clone_args(args, kwargs, inplace)
+                with Poison():
+                    out = flat(run(cs["op"], "numba", *a_n, config=v.config, **k_n)) + ([a_n[0]] if inplace else [])
+                err, _, nans = compare(out, ref)
+                ok = nans == 0 and err < 1e-2
+                t_nb = device_time_us(lambda: run(cs["op"], "numba", *args, config=v.config, **kwargs))
+                gbs = cs["bytes"] / (t_nb * 1e-6) / 1e9
+                t_cp = copy_us(cs["bytes"])
+                note(f"{name} [{v.name}]", ok=ok, rel_err=f"{err:.2e}", numba_us=round(t_nb, 1), GBps=round(gbs),
+                     pct_ceiling=round(100 * gbs * 1e9 / CEIL, 1), pct_of_copy=round(100 * t_cp / t_nb, 1))
+                rows.append((f"{name} [{v.name}]", "OK" if ok else "FAIL", f"{err:.1e}", "", "", f"{t_nb:.1f}",
+                             f"{cs['bytes'] / CEIL * 1e6:.1f}", f"{gbs:.0f}", f"{100 * gbs * 1e9 / CEIL:.0f}%", "", "",
+                             f"{t_cp:.1f} ({100 * t_cp / t_nb:.0f}%)"))
         except Exception as e:
             traceback.print_exc()
             note(f"variant {v.name}", ok=False, error=f"{type(e).__name__}: {e}")

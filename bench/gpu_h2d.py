@@ -5,23 +5,16 @@ stream and two streams, CUDA events, median of repeats.  Prints a table.
     python bench/gpu_h2d.py [--sizes-mb 0.25,1,19,57,128] [--reps 9]
 """
 import argparse
-import statistics
 import sys
 
 import torch
 
+import timing  # bench/timing.py, beside this script
+
 
 def timed(fn, reps):
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    """Median ms of one call between events, synchronized around each (timing.median_ms)."""
+    return timing.median_ms(fn, reps, warm=0, sync_each=True)
 
 
 def main():

@@ -24,8 +24,11 @@ run() {
 DEFAULT_ONLY="not wgmma and not w32 and not compile"
 # (--report-api-errors no: cuda-python / torch probe cuGetProcAddress with a newer cudaVersion
 # than the driver's on purpose; those failed host calls are not kernel errors)
-run memcheck tests/test_kernels_fused.py tests/test_attention.py tests/test_vae.py -k "not compile"
-run racecheck tests/test_attention.py tests/test_kernels_fused.py tests/test_vae.py -k "$DEFAULT_ONLY"
+KERNELS="tests/test_kernels_fused.py tests/test_kernels_quant8.py"
+ATTN="tests/test_attention.py tests/test_attention_numba.py tests/test_attention_mma.py"
+VAE="tests/test_vae.py tests/test_vae_decoder.py"
+run memcheck $KERNELS $ATTN $VAE -k "not compile"
+run racecheck $ATTN $KERNELS $VAE -k "$DEFAULT_ONLY"
 # cuDNN's SDPA trips synccheck (mbarrier "already initialized", then a launch failure): the
 # references use the math SDPA backend there
-FLUX_TEST_MATH_SDPA=1 run synccheck tests/test_attention.py tests/test_kernels_fused.py -k "$DEFAULT_ONLY"
+FLUX_TEST_MATH_SDPA=1 run synccheck $ATTN $KERNELS -k "$DEFAULT_ONLY"

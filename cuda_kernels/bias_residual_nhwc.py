@@ -26,12 +26,12 @@ from . import launching
 from .jit import NUMBA_OK, jit_kernel
 from . import runtime
 from .registry import registry
+from .config import NHWC
 from .device import cuda, float32, unpack4, pack4, ld2, st2, bf2f  # noqa: F401
 
 OP = "bias_residual_nhwc"
 SIMULATOR = runtime.SIMULATOR
-TPB = 32 if SIMULATOR else 256
-U = 4
+U = 4  # loads per thread per iteration: the kernel's main loop is unrolled by hand for 4
 
 
 def reference(y, bias, residual=None):
@@ -129,15 +129,16 @@ def _nhwc16(t):
             and t.data_ptr() % 16 == 0)
 
 
-def check(y, bias, residual=None):
+def check(y, bias, residual=None, config=None):
     why = launching.common_check(y, bias, residual, bf16_only=False)
     if why:
         return why
     if not _nhwc16(y) or y.numel() == 0:
         return "y must be a non-empty 16-byte aligned channels_last bf16 [N, C, H, W]"
     C = y.shape[1]
-    if C % 8 or C // 8 > TPB:
-        return f"C={C}: a multiple of 8, <= {8 * TPB}"
+    tpb = (config or NHWC).tpb
+    if C % 8 or C // 8 > tpb:
+        return f"C={C}: a multiple of 8, <= {8 * tpb}"
     if bias is None or bias.dim() != 1 or bias.numel() != C or bias.dtype not in (torch.bfloat16, torch.float32):
         return "bias must be [C] bf16/fp32"
     if residual is not None and (not _nhwc16(residual) or residual.shape != y.shape):
@@ -147,13 +148,14 @@ def check(y, bias, residual=None):
     return None
 
 
-def bias_residual_nhwc_numba(y, bias, residual=None):
+def bias_residual_nhwc_numba(y, bias, residual=None, config=None):
+    """``config``: an NhwcConfig (benchmarks / tests; ``tpb`` used), else ``config.NHWC``."""
     C = y.shape[1]
     CC = C // 8
     yw = launching.nhwc_words(y)
     rw = yw if residual is None else launching.nhwc_words(residual)
     V = y.numel() // 8
-    tpb = (TPB // CC) * CC
+    tpb = ((config or NHWC).tpb // CC) * CC
     grid = 2 if SIMULATOR else max(1, min(-(-V // (tpb * U)), 8 * runtime.sm_count()))
     _launcher(CC, 0 if residual is None else 1, 1 if bias.dtype == torch.bfloat16 else 0)(grid, tpb, yw, rw, bias, V)
     return y

@@ -48,6 +48,7 @@ from . import fp8_format as f8
 from .device import cuda, float32, int64, unpack_w, gelu_fast, ld2, block_max, fdiv_rn  # noqa: F401
 from .fp8_format import e4m3_1, e4m3x4, e4m3x8  # noqa: F401
 from .registry import registry
+from .config import FP8_ROWS, launcher_key
 
 OP_Q, OP_GELU, OP_CAT = "quantize_fp8", "gelu_tanh_fp8", "attn_gelu_fp8"
 
@@ -76,15 +77,14 @@ registry.register(OP_GELU, reference_gelu, doc=__doc__)
 registry.register(OP_CAT, reference_cat, doc=__doc__)
 
 # ----------------------------------------------------------------------------- numba backend
-# (VEC, VW) -> words per thread (NS = NW / VW slots of VEC * VW elements)
-NW_FOR = {(4, 2): 8, (4, 1): 4, (1, 1): 16}
-MAX_K = 16384
-LB = {(4, 2): (512, 2), (4, 1): (1024, 1), (1, 1): (1024, 1)}  # launch bounds (max threads at K <= MAX_K, min blocks per SM)
+# (VEC, VW) -> words per thread (NS = NW / VW slots of VEC * VW elements), the widest row and the
+# launch bounds: config.Fp8RowsConfig
 
 
-def make_rows_kernel(VEC, NW, VW):
+def make_rows_kernel(VEC, NW, VW, LB_T, LB_B):
     """q[B, L, Qs] (words of E = VEC*VW fp8) and qsc[B, L] from a[B, L, *] (slots 0 .. na-1,
-    identity) and m[B, L, *] (slots na .. na+nm-1, GELU), word views; see the module docstring."""
+    identity) and m[B, L, *] (slots na .. na+nm-1, GELU), word views; see the module docstring.
+    (LB_T, LB_B): the launch bounds, max threads and min blocks per SM (plain ints: a prebuild recipe)."""
     NS = NW // VW
     E = VEC * VW
     G = NS * E
@@ -149,14 +149,15 @@ def make_rows_kernel(VEC, NW, VW):
                 li += cuda.gridDim.y
             b += cuda.gridDim.z
 
-    return jit_kernel(rows_kernel, launch_bounds=LB[(VEC, VW)])
+    return jit_kernel(rows_kernel, launch_bounds=(LB_T, LB_B))
 
 
 _launchers = {}
 
 
-def _launcher(VEC, VW):
-    return launching.cached_launcher(_launchers, (VEC, VW), make_rows_kernel, VEC, NW_FOR[(VEC, VW)], VW)
+def _launcher(VEC, VW, cfg=FP8_ROWS):
+    return launching.cached_launcher(_launchers, launcher_key((VEC, VW), cfg, FP8_ROWS), make_rows_kernel,
+                                     VEC, cfg.nw(VEC, VW), VW, *cfg.lb(VEC, VW))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -174,7 +175,7 @@ def _views(*ts):
     return 1, 1, [t.view(torch.int16) for t in ts]
 
 
-def _check_parts(*ts):
+def _check_parts(*ts, config=None):
     why = launching.common_check(*ts)
     if why:
         return why
@@ -188,8 +189,9 @@ def _check_parts(*ts):
         if t.shape[-1] % f8.K_ALIGN:
             return f"width {t.shape[-1]} is not a multiple of {f8.K_ALIGN}"
     K = sum(t.shape[-1] for t in ts)
-    if K > MAX_K:
-        return f"row width {K} > {MAX_K}"
+    max_k = (config or FP8_ROWS).max_k
+    if K > max_k:
+        return f"row width {K} > {max_k}"
     return f8.check(K, x)
 
 
@@ -197,7 +199,7 @@ def _3d(t):
     return t[None] if t.ndim == 2 else t
 
 
-def _launch(a, m, na_el, nm_el):
+def _launch(a, m, na_el, nm_el, cfg):
     """a / m bf16 [B, L, *] or [rows, *] (m may be a when nm_el == 0 and vice versa)."""
     a, m = _3d(a), _3d(m)
     B, L = a.shape[:2]
@@ -205,37 +207,38 @@ def _launch(a, m, na_el, nm_el):
     VEC, VW, (aw, mw) = _views(a, m)
     E = VEC * VW
     q, qs = f8.empty(B * L, K, a.device)
-    nt = _threads(K // E, NW_FOR[(VEC, VW)] // VW)
-    _launcher(VEC, VW)(launching.grid3(1, L, B), nt, aw, mw, f8.q_words(q, E, B, L), qs.view(B, L), na_el // E, nm_el // E)
+    nt = _threads(K // E, cfg.nw(VEC, VW) // VW)
+    _launcher(VEC, VW, cfg)(launching.grid3(1, L, B), nt, aw, mw, f8.q_words(q, E, B, L), qs.view(B, L), na_el // E, nm_el // E)
     return q, qs
 
 
-def numba_quantize(x):
-    return _launch(x, x, x.shape[-1], 0)
+def numba_quantize(x, config=None):
+    """``config`` (all three backends): an Fp8RowsConfig (benchmarks / tests), else ``config.FP8_ROWS``."""
+    return _launch(x, x, x.shape[-1], 0, config or FP8_ROWS)
 
 
-def numba_gelu(x):
-    return _launch(x, x, 0, x.shape[-1])
+def numba_gelu(x, config=None):
+    return _launch(x, x, 0, x.shape[-1], config or FP8_ROWS)
 
 
-def numba_cat(a, m):
-    return _launch(a, m, a.shape[-1], m.shape[-1])
+def numba_cat(a, m, config=None):
+    return _launch(a, m, a.shape[-1], m.shape[-1], config or FP8_ROWS)
 
 
-registry.register_backend(OP_Q, "numba", numba_quantize, check=lambda x: _check_parts(x))
-registry.register_backend(OP_GELU, "numba", numba_gelu, check=lambda x: _check_parts(x))
-registry.register_backend(OP_CAT, "numba", numba_cat, check=lambda a, m: _check_parts(a, m))
+registry.register_backend(OP_Q, "numba", numba_quantize, check=lambda x, config=None: _check_parts(x, config=config))
+registry.register_backend(OP_GELU, "numba", numba_gelu, check=lambda x, config=None: _check_parts(x, config=config))
+registry.register_backend(OP_CAT, "numba", numba_cat, check=lambda a, m, config=None: _check_parts(a, m, config=config))
 
 
 def _ptx_cases():
     from numba import types as nt
     A = lambda dt, nd: nt.Array(dt, nd, "A")  # noqa: E731
     c = {}
-    for (vec, vw), nw in NW_FOR.items():
+    for (vec, vw), nw in FP8_ROWS.nw_for().items():
         dt = nt.int64 if vec == 4 else nt.int16
         qt = {(4, 2): nt.int64, (4, 1): nt.int32, (1, 1): nt.uint8}[(vec, vw)]
         c["fp8_rows v%dw%d" % (vec, vw)] = lambda vec=vec, vw=vw, nw=nw, dt=dt, qt=qt: (
-            make_rows_kernel(vec, nw, vw), (A(dt, 3), A(dt, 3), A(qt, 3), A(nt.float32, 2), nt.int64, nt.int64))
+            make_rows_kernel(vec, nw, vw, *FP8_ROWS.lb(vec, vw)), (A(dt, 3), A(dt, 3), A(qt, 3), A(nt.float32, 2), nt.int64, nt.int64))
     return c
 
 

@@ -38,7 +38,8 @@ from .device import cuda, float32, int64, unpack_w, pack4, pack1, round_bf16, ld
 from . import fp8_format as f8
 from . import ln_modulate as _lm
 from .ln_modulate import reference as ln_modulate_reference
-from .ln_modulate import row_check, vec_views, _threads, _expand, NW_FOR
+from .ln_modulate import row_check, vec_views, _threads, _expand
+from .config import ROWS, launcher_key
 from .registry import registry
 
 OP = "gated_residual"
@@ -132,34 +133,38 @@ def make_gated_kernel(VEC, NW, VW=1):
 _launchers = {}
 
 
-def _launcher(kind, VEC, VW):
-    return launching.cached_launcher(_launchers, (kind, VEC, VW), make_gated_kernel, VEC, NW_FOR[(VEC, VW)], VW)
+def _launcher(kind, VEC, VW, cfg=ROWS):
+    return launching.cached_launcher(_launchers, launcher_key((kind, VEC, VW), cfg, ROWS), make_gated_kernel,
+                                     VEC, cfg.nw(VEC, VW), VW)
 
 
-def check(x, gate, y):
+def check(x, gate, y, config=None):
     return row_check(x, (y,), (gate,))
 
 
-def check_ln(x, gate, y, shift, scale, eps: float = 1e-6):
+def check_ln(x, gate, y, shift, scale, eps: float = 1e-6, config=None):
     return row_check(x, (y,), (gate, shift, scale))
 
 
-def numba_gated_residual(x, gate, y):
+def numba_gated_residual(x, gate, y, config=None):
+    """``config``: a RowsConfig (benchmarks / tests; its words per thread), else ``config.ROWS``."""
+    cfg = config or ROWS
     B, L, C = x.shape
     VEC, VW, (xw, gw, yw) = vec_views(x, _expand(gate, B), y)
     Cw = xw.shape[2]
-    NW = NW_FOR[(VEC, VW)]
+    NW = cfg.nw(VEC, VW)
     nt = _threads(Cw, NW)
     nchunks = -(-Cw // (nt * NW))
-    _launcher("gated", VEC, VW)(launching.grid3(nchunks, L, B), nt, xw, gw, yw, nchunks)
+    _launcher("gated", VEC, VW, cfg)(launching.grid3(nchunks, L, B), nt, xw, gw, yw, nchunks)
     return x
 
 
-def numba_gated_residual_ln_modulate(x, gate, y, shift, scale, eps: float = 1e-6):
+def numba_gated_residual_ln_modulate(x, gate, y, shift, scale, eps: float = 1e-6, config=None):
+    """``config``: a RowsConfig (benchmarks / tests), else ``config.ROWS``."""
     B = x.shape[0]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     VEC, VW, (xw, yw, ow, gw, shw, scw) = vec_views(x, y, out, _expand(gate, B), _expand(shift, B), _expand(scale, B))
-    _lm.launch_rows(1, VEC, VW, xw, yw, gw, shw, scw, ow, eps)
+    _lm.launch_rows(1, VEC, VW, xw, yw, gw, shw, scw, ow, eps, cfg=config or ROWS)
     return out
 
 
@@ -181,15 +186,16 @@ def reference_ln_fp8(x, gate, y, shift, scale, eps: float = 1e-6):
 registry.register(OP_LN_FP8, reference_ln_fp8, doc=__doc__, mutates=(0,))
 
 
-def check_ln_fp8(x, gate, y, shift, scale, eps: float = 1e-6):
+def check_ln_fp8(x, gate, y, shift, scale, eps: float = 1e-6, config=None):
     return row_check(x, (y,), (gate, shift, scale)) or f8.check(x.shape[-1], x)
 
 
-def numba_gated_residual_ln_modulate_fp8(x, gate, y, shift, scale, eps: float = 1e-6):
+def numba_gated_residual_ln_modulate_fp8(x, gate, y, shift, scale, eps: float = 1e-6, config=None):
     B, L, C = x.shape
     q, qs = f8.empty(B * L, C, x.device)
     VEC, VW, (xw, yw, gw, shw, scw) = vec_views(x, y, _expand(gate, B), _expand(shift, B), _expand(scale, B))
-    _lm.launch_rows(1, VEC, VW, xw, yw, gw, shw, scw, f8.q_words(q, VEC * VW, B, L), eps, qs.view(B, L))
+    _lm.launch_rows(1, VEC, VW, xw, yw, gw, shw, scw, f8.q_words(q, VEC * VW, B, L), eps, qs.view(B, L),
+                    config or ROWS)
     return q, qs
 
 
@@ -200,7 +206,7 @@ def _ptx_cases():
     from numba import types as nt
     A = lambda dt, nd: nt.Array(dt, nd, "A")  # noqa: E731
     c = {}
-    for (vec, vw), nw in NW_FOR.items():
+    for (vec, vw), nw in ROWS.nw_for().items():
         dt = nt.int64 if vec == 4 else nt.int16
         c["gated v%dw%d" % (vec, vw)] = lambda vec=vec, vw=vw, nw=nw, dt=dt: (
             make_gated_kernel(vec, nw, vw), (A(dt, 3),) * 3 + (nt.int64,))

@@ -28,6 +28,7 @@ from .jit import jit_kernel
 # cache key then only hashes the factory's int constants
 from .device import cuda, float32, int64, unpack_w, pack4, pack1, gelu_fast, ld2, st2  # noqa: F401
 from .registry import registry
+from .config import GELU, launcher_key
 
 OP = "gelu_tanh"
 
@@ -43,10 +44,9 @@ def reference(x, out=None):
 registry.register(OP, reference, doc=__doc__)
 
 # ----------------------------------------------------------------------------- numba backend
-THREADS = 256
 # (VEC, VW) -> words per thread: VEC 4 = int64 words of 4 bf16 (VW 2: 16-byte ld/st pairs when
-# x and out rows are 16-byte aligned, VW 1: 8-byte words), VEC 1 = int16 scalar fallback
-NW_FOR = {(4, 2): 8, (4, 1): 4, (1, 1): 16}
+# x and out rows are 16-byte aligned, VW 1: 8-byte words), VEC 1 = int16 scalar fallback; and the
+# most threads per row chunk: config.GeluConfig
 
 
 def make_gelu_kernel(VEC, NW, VW=1):
@@ -107,7 +107,7 @@ _launchers = {}
 
 
 @functools.lru_cache(maxsize=1024)
-def _split(Mw, NW):
+def _split(Mw, NW, THREADS):
     """(threads, chunks) for a row of Mw words, NW words per thread: chunks of equal size (no
     half-empty last chunk), threads a multiple of 32, at most THREADS."""
     n = -(-Mw // NW)  # threads wanted for one row
@@ -116,11 +116,12 @@ def _split(Mw, NW):
     return nt, nchunks
 
 
-def _launcher(VEC, VW):
-    return launching.cached_launcher(_launchers, (VEC, VW), make_gelu_kernel, VEC, NW_FOR[(VEC, VW)], VW)
+def _launcher(VEC, VW, cfg=GELU):
+    return launching.cached_launcher(_launchers, launcher_key((VEC, VW), cfg, GELU), make_gelu_kernel,
+                                     VEC, cfg.nw(VEC, VW), VW)
 
 
-def check(x, out=None):
+def check(x, out=None, config=None):
     why = launching.common_check(x, out)
     if why:
         return why
@@ -131,7 +132,9 @@ def check(x, out=None):
     return None
 
 
-def numba_gelu_tanh(x, out=None):
+def numba_gelu_tanh(x, out=None, config=None):
+    """``config``: a GeluConfig (benchmarks / tests), else ``config.GELU``."""
+    cfg = config or GELU
     ret = out
     if out is None:
         ret = out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -141,9 +144,8 @@ def numba_gelu_tanh(x, out=None):
     else:
         VEC, VW = 4, 2 if launching.aligned16(xw, ow) else 1
     B, L, Mw = xw.shape
-    NW = NW_FOR[(VEC, VW)]
-    nt, nchunks = _split(Mw, NW)
-    _launcher(VEC, VW)(launching.grid3(nchunks, L, B), nt, xw, ow, nchunks)
+    nt, nchunks = _split(Mw, cfg.nw(VEC, VW), cfg.threads)
+    _launcher(VEC, VW, cfg)(launching.grid3(nchunks, L, B), nt, xw, ow, nchunks)
     return ret
 
 

@@ -70,15 +70,14 @@ from .jit import NUMBA_OK, jit_kernel
 from .device import wrap_i64
 from . import runtime
 from .registry import registry
+from .config import GROUPNORM
 # module globals (not closure cells): the simulator swaps `cuda` per thread, and the on-disk
 # cache key of a kernel then only hashes the factory's int constants
 from .device import cuda, float32, int64, unpack4, unpack_f32x2, bf2f, pack4, pack1, ld2, st2, rsqrt  # noqa: F401
 
 OP = "groupnorm_silu"
 SIMULATOR = runtime.SIMULATOR
-TPB = 8 if SIMULATOR else 256  # threads per block (GPU: a multiple of 32; simulator: a power of 2)
-U = 4  # slots per thread per iteration (a slot = 16 B, 8 B or one element, see _mode)
-SH = 3 * TPB if SIMULATOR else 96  # shared floats of one block merge
+# threads per block TPB and slots per thread per iteration U: config.GroupNormConfig
 # ptxas (CUDA 13.0, -arch=sm_90) on the PTX numba-cuda 0.30.4 emits for every variant: no spills,
 # no stack frame.  bf16 16-byte path: stats 56 registers (4 blocks of 256 per SM -> 64 KB of
 # loads in flight per SM), normalize 40 (silu) / 44 (no silu) -> 6 / 5 blocks per SM, 96 / 80 KB.
@@ -310,8 +309,14 @@ def _mode_consts(X16, MODE):
     return 1, 1
 
 
-def make_stats_kernel(X16, MODE):
+def _shared(TPB):
+    """Shared floats of one block merge."""
+    return 3 * TPB if SIMULATOR else 96
+
+
+def make_stats_kernel(X16, MODE, TPB, U):
     VW, VPS = _mode_consts(X16, MODE)
+    SH = _shared(TPB)
     NWD = U * VW  # words (or elements) loaded per thread per iteration
     KF = float32(U * VPS)
     INV_K = float32(1.0 / (U * VPS))
@@ -407,8 +412,9 @@ def make_stats_kernel(X16, MODE):
     return jit_kernel(gn_stats)
 
 
-def make_norm_kernel(X16, MODE, SILU, W16):
+def make_norm_kernel(X16, MODE, SILU, W16, TPB, U):
     VW, VPS = _mode_consts(X16, MODE)
+    SH = _shared(TPB)
     NWD = U * VW
 
     def gn_norm(xw, yw, part, w, b, HWs, C, cpg, S, P, T, nper, nwork, eps):
@@ -539,11 +545,11 @@ def _mode(x, HW):
 _PLANS = {}
 
 
-def _plan(x, G, wdt, silu, eps):
+def _plan(x, G, wdt, silu, eps, cfg):
     N, C = x.shape[0], x.shape[1]
     HW = x.numel() // (N * C)
     mode = _mode(x, HW)
-    key = (tuple(x.shape), x.dtype, G, wdt, bool(silu), float(eps), mode)
+    key = (tuple(x.shape), x.dtype, G, wdt, bool(silu), float(eps), mode, cfg)
     pl = _PLANS.get(key)
     if pl is not None:
         return pl
@@ -553,6 +559,7 @@ def _plan(x, G, wdt, silu, eps):
     HWs = HW // VPS
     Ls = cpg * HWs
     NG = N * G
+    TPB, U = cfg.tpb, cfg.u
     per_iter = U * TPB
     S = _chunks(NG, Ls, per_iter)
     P = NG * S
@@ -561,15 +568,15 @@ def _plan(x, G, wdt, silu, eps):
     w16 = 1 if wdt == torch.bfloat16 else 0
     g1 = min(P, 2) if SIMULATOR else P
     g2 = min(nwork, 2) if SIMULATOR else nwork
-    pl = (mode, _launcher("stats", x16, mode), _launcher("norm", x16, mode, 1 if silu else 0, w16),
-          g1, g2, (Ls, S, P), (HWs, C, cpg, S, P, T, nper, nwork, np.float32(eps)), 3 * P)
+    pl = (mode, _launcher("stats", x16, mode, TPB, U), _launcher("norm", x16, mode, 1 if silu else 0, w16, TPB, U),
+          g1, g2, (Ls, S, P), (HWs, C, cpg, S, P, T, nper, nwork, np.float32(eps)), 3 * P, TPB)
     if len(_PLANS) > 1024:
         _PLANS.clear()
     _PLANS[key] = pl
     return pl
 
 
-def check(x, num_groups, weight, bias, eps=1e-6, silu=True):
+def check(x, num_groups, weight, bias, eps=1e-6, silu=True, config=None):
     why = runtime.device_ok(x, weight, bias)
     if why:
         return why
@@ -598,10 +605,10 @@ def check(x, num_groups, weight, bias, eps=1e-6, silu=True):
     return None
 
 
-def _prepare(x, num_groups, weight, bias, eps, silu):
+def _prepare(x, num_groups, weight, bias, eps, silu, cfg):
     if weight.dtype != bias.dtype:
         weight, bias = weight.float(), bias.float()
-    mode, ls, ln, g1, g2, a1, a2, npart = _plan(x, int(num_groups), weight.dtype, silu, eps)
+    mode, ls, ln, g1, g2, a1, a2, npart, tpb = _plan(x, int(num_groups), weight.dtype, silu, eps, cfg)
     y = torch.empty_like(x)
     part = torch.empty(npart, device=x.device, dtype=torch.float32)
     if mode:
@@ -610,19 +617,20 @@ def _prepare(x, num_groups, weight, bias, eps, silu):
     else:
         xv = x.view(-1)
         yv = y.view(-1)
-    return y, (ls, g1, (xv, part) + a1), (ln, g2, (xv, yv, part, weight, bias) + a2)
+    return y, tpb, (ls, g1, (xv, part) + a1), (ln, g2, (xv, yv, part, weight, bias) + a2)
 
 
-def plan(x, num_groups, weight, bias, eps=1e-6, silu=True):
+def plan(x, num_groups, weight, bias, eps=1e-6, silu=True, config=None):
     """(y, run_stats, run_norm): the output and the two configured launches (bench hook)."""
-    y, (ls, g1, s_args), (ln, g2, n_args) = _prepare(x, num_groups, weight, bias, eps, silu)
-    return y, (lambda: ls(g1, TPB, *s_args)), (lambda: ln(g2, TPB, *n_args))
+    y, tpb, (ls, g1, s_args), (ln, g2, n_args) = _prepare(x, num_groups, weight, bias, eps, silu, config or GROUPNORM)
+    return y, (lambda: ls(g1, tpb, *s_args)), (lambda: ln(g2, tpb, *n_args))
 
 
-def groupnorm_silu_numba(x, num_groups, weight, bias, eps=1e-6, silu=True):
-    y, (ls, g1, s_args), (ln, g2, n_args) = _prepare(x, num_groups, weight, bias, eps, silu)
-    ls(g1, TPB, *s_args)
-    ln(g2, TPB, *n_args)
+def groupnorm_silu_numba(x, num_groups, weight, bias, eps=1e-6, silu=True, config=None):
+    """``config``: a GroupNormConfig (benchmarks / tests), else ``config.GROUPNORM``."""
+    y, tpb, (ls, g1, s_args), (ln, g2, n_args) = _prepare(x, num_groups, weight, bias, eps, silu, config or GROUPNORM)
+    ls(g1, tpb, *s_args)
+    ln(g2, tpb, *n_args)
     return y
 
 

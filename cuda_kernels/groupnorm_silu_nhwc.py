@@ -53,14 +53,15 @@ from . import launching
 from .jit import NUMBA_OK, jit_kernel
 from . import runtime
 from .registry import registry
+from .config import NHWC
 # module globals (not closure cells): the simulator swaps `cuda` per thread
 from .device import cuda, float32, int32, unpack4, pack4, ld2, st2, bf2f, rsqrt  # noqa: F401
 
 OP = "groupnorm_silu_nhwc"
 SIMULATOR = runtime.SIMULATOR
-TPB = 32 if SIMULATOR else 256   # threads per block of the statistics and normalise kernels
-U = 4                            # 16-byte loads per thread per iteration
-MAX_S = 2 if SIMULATOR else 256    # (the last block merges G x S partials: run g, S up to 1024, cost 30-80 us per call)
+U = 4  # 16-byte loads per thread per iteration (the normalise kernel's loop is unrolled by hand for 4)
+# threads per block and the most pixel chunks per sample: config.NhwcConfig (tpb, max_s; the last
+# block merges G x S partials: run g, S up to 1024, cost 30-80 us per call)
 
 
 def reference(x, num_groups, weight, bias, eps: float = 1e-6, silu: bool = True, pre_bias=None):
@@ -88,16 +89,17 @@ if NUMBA_OK:
                      _act(t[2] * a2 + b2, silu), _act(t[3] * a3 + b3, silu))
 
 
-def _layout(C, G):
-    """(CC 16-byte columns, R pixel lanes, GPC groups per column, CPA channels per group in a column)."""
+def _layout(C, G, TPB):
+    """(CC 16-byte columns, R pixel lanes, GPC groups per column, CPA channels per group in a column)
+    for blocks of TPB threads."""
     CC = C // 8
     cpg = C // G
     GPC = 1 if cpg >= 8 else 8 // cpg
     return CC, TPB // CC, GPC, 8 // GPC
 
 
-def make_part_kernel(C, G, PB, PB16, W16):
-    CC, R, GPC, CPA = _layout(C, G)
+def make_part_kernel(C, G, PB, PB16, W16, TPB):
+    CC, R, GPC, CPA = _layout(C, G, TPB)
     cpg = C // G
     CW2 = C // 8                     # 16-byte columns per pixel
     NV = U * 8
@@ -320,7 +322,7 @@ def _launcher(kind, *key):
     return launching.cached_launcher(_launchers, (kind,) + key, fac, *key)
 
 
-def _chunks(N, HW, R):
+def _chunks(N, HW, R, MAX_S):
     """Pixel chunks per sample: >= 4 blocks per SM overall, each chunk >= 8 iterations, <= MAX_S."""
     target = -(-4 * runtime.sm_count() // N)
     cap = max(1, HW // (8 * U * R))
@@ -337,7 +339,7 @@ def _norm_grid(V, tpb):
     return max(1, min(-(-V // (tpb * U)), 8 * runtime.sm_count()))
 
 
-def check(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
+def check(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None, config=None):
     why = launching.common_check(x, weight, bias, pre_bias, bf16_only=False)
     if why:
         return why
@@ -349,8 +351,9 @@ def check(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
         return "x must be channels_last (NHWC) contiguous"
     C = x.shape[1]
     G = int(num_groups)
-    if C % 8 or C % G or C // 8 > TPB:
-        return f"C={C}, groups={G}: C must be a multiple of 8 and of groups, C <= {8 * TPB}"
+    tpb = (config or NHWC).tpb
+    if C % 8 or C % G or C // 8 > tpb:
+        return f"C={C}, groups={G}: C must be a multiple of 8 and of groups, C <= {8 * tpb}"
     cpg = C // G
     if cpg % 8 and 8 % cpg:
         return f"channels per group {cpg}: must divide 8 or be a multiple of 8"
@@ -372,35 +375,40 @@ def check(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
 _PLANS = {}
 
 
-def _plan(shape, G, wdt, pdt, silu):
-    """Launch plan per (shape, groups, affine / pre_bias dtypes, SiLU): launchers, grids, sizes."""
-    key = (shape, G, wdt, pdt, silu)
+def _plan(shape, G, wdt, pdt, silu, cfg):
+    """Launch plan per (shape, groups, affine / pre_bias dtypes, SiLU, config): launchers, grids,
+    sizes."""
+    key = (shape, G, wdt, pdt, silu, cfg)
     pl = _PLANS.get(key)
     if pl is None:
         N, C, H, W = shape
         HW = H * W
-        CC, R, _, _ = _layout(C, G)
-        S = _chunks(N, HW, R)
+        TPB = cfg.tpb
+        CC, R, _, _ = _layout(C, G, TPB)
+        S = _chunks(N, HW, R, cfg.max_s)
         NG = N * G
         P = NG * S
         PB, PB16 = (0, 0) if pdt is None else (1, 1 if pdt == torch.bfloat16 else 0)
         tpb = (TPB // CC) * CC
         V = HW * CC
         nblk = N * S
-        pl = (_launcher("part", C, G, PB, PB16, 1 if wdt == torch.bfloat16 else 0), min(nblk, 2) if SIMULATOR else nblk,
+        pl = (_launcher("part", C, G, PB, PB16, 1 if wdt == torch.bfloat16 else 0, TPB),
+              min(nblk, 2) if SIMULATOR else nblk,
               _launcher("norm", CC, 1 if silu else 0), _norm_grid(V, tpb), tpb, (HW, S, P, N), (N, V, C),
-              3 * P, 2 * N * C)
+              3 * P, 2 * N * C, TPB)
         if len(_PLANS) > 512:
             _PLANS.clear()
         _PLANS[key] = pl
     return pl
 
 
-def groupnorm_silu_nhwc_numba(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None):
+def groupnorm_silu_nhwc_numba(x, num_groups, weight, bias, eps=1e-6, silu=True, pre_bias=None, config=None):
+    """``config``: an NhwcConfig (benchmarks / tests; ``tpb``, ``max_s`` used), else ``config.NHWC``."""
     if weight.dtype != bias.dtype:
         weight, bias = weight.float(), bias.float()
-    lp, gp, ln, gn, tpb, ap, an, npart, ncoef = _plan(
-        tuple(x.shape), int(num_groups), weight.dtype, None if pre_bias is None else pre_bias.dtype, bool(silu))
+    lp, gp, ln, gn, tpb, ap, an, npart, ncoef, TPB = _plan(
+        tuple(x.shape), int(num_groups), weight.dtype, None if pre_bias is None else pre_bias.dtype, bool(silu),
+        config or NHWC)
     buf = torch.empty(npart + ncoef, device=x.device, dtype=torch.float32)
     part, coef = buf[:npart], buf[npart:]
     cnt = torch.zeros(x.shape[0], device=x.device, dtype=torch.int32)   # chunk tickets per sample

@@ -8,7 +8,7 @@
     ``signature``, ``arr``, ``words`` / ``nhwc_words`` / ``aligned16``, ``grid3``, ``common_check``.
 
 The pack imports those modules; the public names are re-exported here for code that still says
-``intrinsics``.  Module state (``FORCE_VW1``, ``PREPARED``, ``_FAST_OK``, ``compile_gate``) is
+``intrinsics``.  Module state (``PREPARED``, ``_FAST_OK``, ``compile_gate``) is
 ``launching``'s: read here it is launching's current value; set it on ``launching`` -- an assignment
 through this module raises AttributeError (it would change nothing).
 """
@@ -30,7 +30,7 @@ __all__ = ["NUMBA_OK", "SIMULATOR", "cuda", "jit_kernel", "keyed_on_sources", "s
            "ld2", "st2", "Launcher", "aligned16", "arr", "cached_launcher", "collecting", "common_check", "grid3",
            "nhwc_words", "planning", "signature", "words"]
 
-_STATE = ("FORCE_VW1", "PREPARED", "_FAST_OK", "compile_gate")
+_STATE = ("PREPARED", "_FAST_OK", "compile_gate")
 
 
 def __getattr__(name):

@@ -6,7 +6,7 @@ wait), numba ``signature`` of a launch, the word views the row kernels take (``w
 ``nhwc_words``, ``aligned16``), ``grid3`` and the backends' shared ``common_check``.
 
 Module state that benchmarks, tests and prebuild set here (``launching.X = ...``, never through
-a module that re-exports it): ``FORCE_VW1``, ``PREPARED``, ``_FAST_OK``, ``compile_gate``.
+a module that re-exports it): ``PREPARED``, ``_FAST_OK``, ``compile_gate``.
 """
 from __future__ import annotations
 
@@ -21,14 +21,10 @@ import torch
 from . import runtime
 from .jit import NUMBA_OK, SIMULATOR, cuda  # noqa: F401
 
-FORCE_VW1 = False  # benchmarks set it to time the 8-byte variants
-
 
 def aligned16(*ws) -> bool:
     """Every int64 word view has a 16-byte aligned base, even row strides and an even last dim
     (so word pairs (2j, 2j+1) of every row can move as one 16-byte access)."""
-    if FORCE_VW1:
-        return False
     for w in ws:
         if w.data_ptr() % 16 or w.shape[-1] % 2:
             return False

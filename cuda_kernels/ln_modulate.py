@@ -6,7 +6,7 @@ any batch stride).  Used before every qkv / mlp / linear1 / final linear of FLUX
 Numba backend ("numba", bf16 only): one thread block per row (grid (1, L, B), while loops),
 each thread holds NW = 8 words of the row (32 bf16; C=3072: 96 threads per row) as *packed*
 words in registers and unpacks them again in each pass (a shift or mask per element) instead
-of keeping 16+ floats per thread; shift/scale are read only in the last pass (``LATE_VEC``:
+of keeping 16+ floats per thread; shift/scale are read only in the last pass (``RowsConfig.late``:
 L1/L2 hits, 88 -> 64 registers, i.e. 10 rows in flight per SM instead of 7 -- the kernel is
 latency bound: each row waits for its loads, then two block reductions, then stores);
 16-byte loads/stores (ld.global.v2.u64) when every row and
@@ -55,6 +55,7 @@ from .device import block_max, fdiv_rn  # noqa: F401
 from . import fp8_format as f8
 from .fp8_format import e4m3_1, e4m3x4, e4m3x8  # noqa: F401
 from .registry import registry
+from .config import ROWS, RowsConfig, WORD_LAYOUTS, launcher_key  # noqa: F401
 
 OP = "ln_modulate"
 
@@ -67,12 +68,9 @@ def reference(x, shift, scale, eps: float = 1e-6):
 registry.register(OP, reference, doc=__doc__)
 
 # ----------------------------------------------------------------------------- numba backend
-MAX_THREADS = 1024
-# words per thread for each (word width VEC, words per access VW); shared with gated_residual.
-# (4, 2): 8 words = 32 bf16 (four 16-byte loads per tensor) -- measured on the H200 at C=3072:
-# faster than 4 words for ln_modulate, gated_residual_ln_modulate and gated_residual (BENCHMARKS.md,
-# row kernels).
-NW_FOR = {(4, 2): 8, (4, 1): 4, (1, 1): 16}
+MAX_THREADS = 1024  # CUDA's most threads per block
+# words per thread for each (word width VEC, words per access VW), the pipelined kernel's blocks per
+# SM and the late vector loads: config.RowsConfig (shared with gated_residual)
 
 
 def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0, FP8=0):
@@ -290,49 +288,37 @@ def make_row_kernel(VEC, NW, GATED, VW=1, LATE=0, PIPE=0, FP8=0):
     return jit_kernel(row_kernel)
 
 
-# 16-byte rows: the pipelined kernel with PIPE_BLOCKS[GATED] blocks per SM (what fits by
-# registers: 76 registers x 96 threads -> 8); 0 = the one-row kernel.  Measured on the H200
-# (img rows): LN a little faster pipelined (8/SM) than one-row; the gated variant pipelined
-# (95 registers, 4-12 blocks/SM) slower than one-row: off.
-PIPE_BLOCKS = {0: 8, 1: 0}  # (benchmarks and tests set other values)
-
-
 @functools.lru_cache(maxsize=16)
 def _sms(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# one-row kernel, per GATED: load shift/scale in the last pass instead of with x (88 -> 64
-# registers at 16-byte words: 10 rows in flight per SM instead of 7).  Measured (run #3, img):
-# LN 20.9 us late vs 23.4 with x; gated LN 33.3 late vs 32.4 with x -> late for LN only.
-LATE_VEC = {0: True, 1: False}
-
-
-def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps, qsc=None):
+def launch_rows(GATED, VEC, VW, xw, yw, gw, shw, scw, ow, eps, qsc=None, cfg=ROWS):
     """Launch the row kernel (LN + modulate, optionally after the gated residual) on word views.
     ``qsc`` (fp32 [B, L]): the fp8 variant -- ``ow`` is then q's word view (``fp8_format.q_words``
-    with E = VEC * VW) and qsc receives the row scales.  Same pipelining / late-vector choices as
-    the bf16 kernel (not tuned separately yet; the fp8 launchers' keys end in "fp8")."""
+    with E = VEC * VW) and qsc receives the row scales.  Same pipelining / late-vector choices
+    (``cfg``, a RowsConfig) as the bf16 kernel (not tuned separately yet; the fp8 launchers' keys
+    end in "fp8")."""
     B, L, Cw = xw.shape
-    nt = _threads(Cw, NW_FOR[(VEC, VW)])
+    nt = _threads(Cw, cfg.nw(VEC, VW))
     FP8 = int(qsc is not None)
     tail = ("fp8",) if FP8 else ()
     if qsc is None:
         qsc = ow  # unused by the bf16 kernel
-    if PIPE_BLOCKS[GATED] > 0 and VEC == 4 and VW == 2:
-        key = ("pipe", GATED) + tail
-        la = launching.cached_launcher(_launchers, key, make_row_kernel, 4, NW_FOR[(4, 2)], GATED, 2, 1, 1, FP8)
+    per_sm = cfg.pipe(GATED)
+    if per_sm > 0 and VEC == 4 and VW == 2:
+        key = launcher_key(("pipe", GATED) + tail, cfg, ROWS)
+        la = launching.cached_launcher(_launchers, key, make_row_kernel, 4, cfg.nw16, GATED, 2, 1, 1, FP8)
         ny = L
         if xw.is_cuda:  # enough blocks to fill the GPU once, each striding over several rows
             dev = xw.device.index if xw.device.index is not None else torch.cuda.current_device()
-            per_sm = PIPE_BLOCKS[GATED]
             if FP8:  # more registers than the bf16 kernel (ptxas 13.0, sm_90: 96 vs 76): what fits
                 per_sm = _resident(key, la, nt, per_sm, (xw, yw, gw, shw, scw, ow, qsc, np.float32(eps)),
                                    fallback=min(per_sm, 7))  # 7 x 96 threads x 96 registers fit
             ny = min(L, max(1, _sms(dev) * per_sm // B))
         la(launching.grid3(1, ny, B), nt, xw, yw, gw, shw, scw, ow, qsc, np.float32(eps))
         return
-    _launcher(VEC, GATED, VW, FP8)(launching.grid3(1, L, B), nt, xw, yw, gw, shw, scw, ow, qsc, np.float32(eps))
+    _launcher(VEC, GATED, VW, FP8, cfg)(launching.grid3(1, L, B), nt, xw, yw, gw, shw, scw, ow, qsc, np.float32(eps))
 
 
 _launchers = {}
@@ -352,10 +338,10 @@ def _resident(key, la, nt, cap, args, fallback):
     return hit[0]
 
 
-def _launcher(VEC, GATED, VW=1, FP8=0):
-    late = int(LATE_VEC[GATED])
-    key = (VEC, GATED, VW) + ((late,) if late else ()) + (("fp8",) if FP8 else ())
-    return launching.cached_launcher(_launchers, key, make_row_kernel, VEC, NW_FOR[(VEC, VW)], GATED, VW, late, 0, FP8)
+def _launcher(VEC, GATED, VW=1, FP8=0, cfg=ROWS):
+    late = int(cfg.late_vec(GATED))
+    key = launcher_key((VEC, GATED, VW) + ((late,) if late else ()) + (("fp8",) if FP8 else ()), cfg, ROWS)
+    return launching.cached_launcher(_launchers, key, make_row_kernel, VEC, cfg.nw(VEC, VW), GATED, VW, late, 0, FP8)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -384,7 +370,7 @@ def row_check(x, rows, vecs):
     return None
 
 
-def check(x, shift, scale, eps: float = 1e-6):
+def check(x, shift, scale, eps: float = 1e-6, config=None):
     return row_check(x, (), (shift, scale))
 
 
@@ -401,12 +387,13 @@ def _expand(t, B):
     return t if t.shape[0] == B else t.expand(B, *t.shape[1:])
 
 
-def numba_ln_modulate(x, shift, scale, eps: float = 1e-6):
+def numba_ln_modulate(x, shift, scale, eps: float = 1e-6, config=None):
+    """``config``: a RowsConfig (benchmarks / tests), else ``config.ROWS``."""
     B = x.shape[0]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     VEC, VW, (xw, ow, shw, scw) = vec_views(x, out, _expand(shift, B), _expand(scale, B))
     # y and gate are unused when GATED=0: pass x / shift again (same types, no extra work)
-    launch_rows(0, VEC, VW, xw, xw, shw, shw, scw, ow, eps)
+    launch_rows(0, VEC, VW, xw, xw, shw, shw, scw, ow, eps, cfg=config or ROWS)
     return out
 
 
@@ -433,16 +420,17 @@ OP_FP8 = "ln_modulate_fp8"
 registry.register(OP_FP8, reference_fp8, doc=__doc__)
 
 
-def check_fp8(x, shift, scale, eps: float = 1e-6):
+def check_fp8(x, shift, scale, eps: float = 1e-6, config=None):
     return row_check(x, (), (shift, scale)) or f8.check(x.shape[-1], x)
 
 
-def numba_ln_modulate_fp8(x, shift, scale, eps: float = 1e-6):
+def numba_ln_modulate_fp8(x, shift, scale, eps: float = 1e-6, config=None):
     B, L, C = x.shape
     q, qs = f8.empty(B * L, C, x.device)
     # q is this call's own (aligned) allocation: only the inputs decide the access width
     VEC, VW, (xw, shw, scw) = vec_views(x, _expand(shift, B), _expand(scale, B))
-    launch_rows(0, VEC, VW, xw, xw, shw, shw, scw, f8.q_words(q, VEC * VW, B, L), eps, qs.view(B, L))
+    launch_rows(0, VEC, VW, xw, xw, shw, shw, scw, f8.q_words(q, VEC * VW, B, L), eps, qs.view(B, L),
+                config or ROWS)
     return q, qs
 
 
@@ -453,20 +441,22 @@ def _ptx_cases():
     from numba import types as nt
     A = lambda dt, nd: nt.Array(dt, nd, "A")  # noqa: E731
     c = {}
+    cfg = ROWS
     for G in (0, 1):
         n = "gated_ln" if G else "ln_modulate"
-        for (vec, vw), nw in NW_FOR.items():
+        late = int(cfg.late_vec(G))
+        for (vec, vw), nw in cfg.nw_for().items():
             dt = nt.int64 if vec == 4 else nt.int16
-            c[n + " v%dw%d" % (vec, vw)] = lambda G=G, vec=vec, vw=vw, nw=nw, dt=dt: (
-                make_row_kernel(vec, nw, G, vw, int(LATE_VEC[G])), (A(dt, 3),) * 7 + (nt.float32,))
+            c[n + " v%dw%d" % (vec, vw)] = lambda G=G, vec=vec, vw=vw, nw=nw, dt=dt, late=late: (
+                make_row_kernel(vec, nw, G, vw, late), (A(dt, 3),) * 7 + (nt.float32,))
             qt = {(4, 2): nt.int64, (4, 1): nt.int32, (1, 1): nt.uint8}[(vec, vw)]
-            c[n + " fp8 v%dw%d" % (vec, vw)] = lambda G=G, vec=vec, vw=vw, nw=nw, dt=dt, qt=qt: (
-                make_row_kernel(vec, nw, G, vw, int(LATE_VEC[G]), 0, 1),
+            c[n + " fp8 v%dw%d" % (vec, vw)] = lambda G=G, vec=vec, vw=vw, nw=nw, dt=dt, qt=qt, late=late: (
+                make_row_kernel(vec, nw, G, vw, late, 0, 1),
                 (A(dt, 3),) * 5 + (A(qt, 3), A(nt.float32, 2), nt.float32))
-        c[n + " pipe"] = lambda G=G: (make_row_kernel(4, NW_FOR[(4, 2)], G, 2, 1, 1), (A(nt.int64, 3),) * 7 + (nt.float32,))
-        c[n + " fp8 pipe"] = lambda G=G: (make_row_kernel(4, NW_FOR[(4, 2)], G, 2, 1, 1, 1),
+        c[n + " pipe"] = lambda G=G: (make_row_kernel(4, cfg.nw16, G, 2, 1, 1), (A(nt.int64, 3),) * 7 + (nt.float32,))
+        c[n + " fp8 pipe"] = lambda G=G: (make_row_kernel(4, cfg.nw16, G, 2, 1, 1, 1),
                                           (A(nt.int64, 3),) * 6 + (A(nt.float32, 2), nt.float32))
-        c[n + " v4w2 other"] = lambda G=G: (make_row_kernel(4, NW_FOR[(4, 2)], G, 2, 1 - int(LATE_VEC[G])),
+        c[n + " v4w2 other"] = lambda G=G, late=late: (make_row_kernel(4, cfg.nw16, G, 2, 1 - late),
                                              (A(nt.int64, 3),) * 7 + (nt.float32,))
     return c
 

@@ -45,6 +45,7 @@ from . import runtime as _rt
 # cache key then only hashes the factory's int constants
 from .device import cuda, float32, int64, unpack_w, pack4, unpack_f32x2, group_sum, group_max, rsqrt, ld2, st2  # noqa: F401
 from .registry import registry
+from .config import QK_NORM_ROPE, QkConfig, launcher_key  # noqa: F401
 
 OP = "qk_norm_rope"
 
@@ -98,13 +99,10 @@ def set_stock_rope(fn):
 registry.register(OP, reference, doc=__doc__)
 
 # ----------------------------------------------------------------------------- numba backend
-MAX_THREADS = 128
+# the most threads per block and the launch bounds: config.QkConfig
 
 
-LB = {"launch_bounds": (MAX_THREADS, 8)}
-
-
-def make_qk_kernel(VW=2, QUANT=0, VT=0):
+def make_qk_kernel(VW=2, QUANT=0, VT=0, LB_T=QK_NORM_ROPE.max_threads, LB_B=QK_NORM_ROPE.min_blocks):
     """qkv0/qkv1 [B, L_p, 3*H*Dw] int64 words; scales [2, 2, D/2] int64 (fp32 pairs; part, q|k);
     pe [Bp, Ltot, D] int64 (pair r: word 2r = (m[r,0,0], m[r,0,1]), 2r+1 = (m[r,1,0], m[r,1,1]));
     out [3, B, H, Ltot, Dw] int64.  A group of G = Dw/VW lanes per head; lane w owns words
@@ -296,7 +294,7 @@ def make_qk_kernel(VW=2, QUANT=0, VT=0):
                 t += cuda.gridDim.x
             b += cuda.gridDim.y
 
-    return jit_kernel(qk_kernel, **LB)
+    return jit_kernel(qk_kernel, **({"launch_bounds": (LB_T, LB_B)} if LB_B else {}))
 
 
 _launchers = {}
@@ -304,8 +302,9 @@ _scale_cache = {}
 _placeholders = {}  # device -> (pe, q8, qsc, kmean, vt) stand-ins for arguments a launch does not read
 
 
-def _launcher(VW, QUANT=0, VT=0):
-    return launching.cached_launcher(_launchers, (VW, QUANT, VT), make_qk_kernel, VW, QUANT, VT)
+def _launcher(VW, QUANT=0, VT=0, cfg=QK_NORM_ROPE):
+    return launching.cached_launcher(_launchers, launcher_key((VW, QUANT, VT), cfg, QK_NORM_ROPE), make_qk_kernel,
+                                     VW, QUANT, VT, cfg.max_threads, cfg.min_blocks)
 
 
 def _placeholder(device):
@@ -323,7 +322,7 @@ def _placeholder(device):
 
 
 @functools.lru_cache(maxsize=1024)
-def _threads(G, H):
+def _threads(G, H, MAX_THREADS=QK_NORM_ROPE.max_threads):
     """(threads, head chunks): one group of G lanes per head, at most MAX_THREADS threads per
     block; grid z = head chunks (small blocks: more of them resident per SM)."""
     nt = max(32, -(-min(H * G, MAX_THREADS) // 32) * 32)
@@ -348,7 +347,7 @@ def _ptx_cases():
 PTX_CASES = _ptx_cases()
 
 
-def check(parts, pe, num_heads: int, eps: float = 1e-6, quant8: bool = False):
+def check(parts, pe, num_heads: int, eps: float = 1e-6, quant8: bool = False, config=None):
     if not isinstance(parts, (list, tuple)) or not 1 <= len(parts) <= 2:
         return "numba qk_norm_rope takes 1 or 2 parts"
     qkv0 = parts[0][0]
@@ -576,7 +575,7 @@ def _vt_buffer(B, H, Ltot, D, dev):
     return _rt.stream_scratch(_q8_scratch, ("vt", B, H, Ltot, D, str(dev)), make)
 
 
-def _launch_quant(a0, a1, sc, pe_w, ow, q, k, v, B, H, D, L0, Ltot, has_pe, eps, nt, nz, dev, kind="qk"):
+def _launch_quant(a0, a1, sc, pe_w, ow, q, k, v, B, H, D, L0, Ltot, has_pe, eps, nt, nz, dev, kind="qk", cfg=QK_NORM_ROPE):
     """kind "qk": int8 Q and K (+ the K-mean launch); "q": Q alone (the pack's k8 / ks / kmean None);
     "qv": Q + V's tile image (pack.vt, see int8_format.VT_KEYS)."""
     Lp = -(-Ltot // 64) * 64
@@ -590,7 +589,7 @@ def _launch_quant(a0, a1, sc, pe_w, ow, q, k, v, B, H, D, L0, Ltot, has_pe, eps,
         S = min(Ltot, KMEAN_SAMPLES)
         ntm = min(1024, -(-(S * (D // 8)) // 32) * 32)
         _kmean_launcher()(launching.grid3(H, B, 1), ntm, a0, a1, sc, pe_w, km, L0, Ltot, S, hp, np.float32(eps))
-    _launcher(2, 2 if kq else 1, VT_KEYS if vt is not None else 0)(
+    _launcher(2, 2 if kq else 1, VT_KEYS if vt is not None else 0, cfg)(
         launching.grid3(Lp, B, nz), nt, a0, a1, sc, pe_w, ow, q8w, qsc, km,
         vtw if vt is not None else _placeholder(dev)[4], L0, hp, np.float32(eps))
     if not kq:
@@ -598,7 +597,9 @@ def _launch_quant(a0, a1, sc, pe_w, ow, q, k, v, B, H, D, L0, Ltot, has_pe, eps,
     return Quant8(q, k, q8[0], q8[1], qsc[0].reshape(-1), qsc[1].reshape(-1), km, Lp, views)
 
 
-def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6, quant8: bool = False):
+def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6, quant8: bool = False, config=None):
+    """``config``: a QkConfig (benchmarks / tests), else ``config.QK_NORM_ROPE``."""
+    cfg = config or QK_NORM_ROPE
     qkv0 = parts[0][0]
     B, L0, C3 = qkv0.shape
     H = num_heads
@@ -613,14 +614,14 @@ def numba_qk_norm_rope(parts, pe, num_heads: int, eps: float = 1e-6, quant8: boo
     a1 = launching.words(parts[1][0]) if len(parts) > 1 else a0
     ow = out.view(torch.int64)
     VW = 2 if D >= 8 and launching.aligned16(a0, a1, ow) else 1
-    nt, nz = _threads(D // (4 * VW), H)
+    nt, nz = _threads(D // (4 * VW), H, cfg.max_threads)
     if quant8 and VW == 2 and D in QUANT_DIMS:
         q, k, v = out[0], out[1], out[2]
         kind = quant8 if quant8 in ("q", "qv") else "qk"
         pack = _launch_quant(a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow, q, k, v,
-                             B, H, D, L0, Ltot, pe is not None, eps, nt, nz, dev, kind=kind)
+                             B, H, D, L0, Ltot, pe is not None, eps, nt, nz, dev, kind=kind, cfg=cfg)
         return q, k, v, pack
-    _launcher(VW)(launching.grid3(Ltot, B, nz), nt,
+    _launcher(VW, cfg=cfg)(launching.grid3(Ltot, B, nz), nt,
                   a0, a1, _scales(parts, dev), _pe_arr(pe, D, dev), ow, *_placeholder(dev)[1:],
                   L0, 1 if pe is not None else 0, np.float32(eps))
     if quant8:  # no int8 copy for this layout: attention falls back to its pre-pass

@@ -24,11 +24,11 @@ from . import launching
 from .jit import jit_kernel
 from . import runtime
 from .registry import registry
+from .config import NHWC
 from .device import cuda, ld2, st2  # noqa: F401
 
 OP = "upsample_nearest2x"
 SIMULATOR = runtime.SIMULATOR
-TPB = 32 if SIMULATOR else 256
 
 
 def reference(x):
@@ -75,7 +75,7 @@ def _launcher(CC):
     return launching.cached_launcher(_launchers, CC, make_kernel, CC)
 
 
-def check(x):
+def check(x, config=None):
     why = launching.common_check(x, bf16_only=False)
     if why:
         return why
@@ -92,13 +92,15 @@ def check(x):
     return None
 
 
-def upsample_nearest2x_numba(x):
+def upsample_nearest2x_numba(x, config=None):
+    """``config``: an NhwcConfig (benchmarks / tests; ``tpb`` used), else ``config.NHWC``."""
+    cfg = config or NHWC
     N, C, H, W = x.shape
     y = torch.empty((N, C, 2 * H, 2 * W), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     xw, yw = launching.nhwc_words(x), launching.nhwc_words(y)
     NH = N * H
     grid = min(NH, 2) if SIMULATOR else min(NH, 32 * runtime.sm_count())
-    _launcher(C * x.element_size() // 16)(grid, TPB, xw, yw, H, W, NH)
+    _launcher(C * x.element_size() // 16)(grid, cfg.tpb, xw, yw, H, W, NH)
     return y
 
 

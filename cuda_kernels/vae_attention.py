@@ -36,14 +36,12 @@ from .jit import NUMBA_OK, jit_kernel
 from .device import RED_SMEM
 from . import runtime
 from .registry import registry
+from .config import VAE_ATTENTION, VaeAttentionConfig  # noqa: F401
 from .device import cuda, float32, pack4, unpack_f32x2, ld2, block_sum, block_max  # noqa: F401
 
 OP = "vae_attention"
 SIMULATOR = runtime.SIMULATOR
-TPB = 32 if SIMULATOR else 256
 RED = RED_SMEM
-CHUNK_BYTES = 384 << 20
-GRAPH_CHUNK_BYTES = 48 << 20
 
 
 def reference(q, k, v):
@@ -128,7 +126,7 @@ def _rows_view(t):
     return t.permute(0, 2, 3, 1).reshape(B, H * W, C)
 
 
-def check(q, k, v):
+def check(q, k, v, config=None):
     why = launching.common_check(q, k, v)
     if why:
         return why
@@ -149,13 +147,15 @@ def check(q, k, v):
     return None
 
 
-def vae_attention_numba(q, k, v):
+def vae_attention_numba(q, k, v, config=None):
+    """``config``: a VaeAttentionConfig (benchmarks / tests), else ``config.VAE_ATTENTION``."""
+    cfg = config or VAE_ATTENTION
     B, C, H, W = q.shape
     L = H * W
     qr, kr, vr = _rows_view(q), _rows_view(k), _rows_view(v)
     out = torch.empty((B, H, W, C), device=q.device, dtype=q.dtype)
     orows = out.view(B, L, C)
-    budget = GRAPH_CHUNK_BYTES if q.is_cuda and torch.cuda.is_current_stream_capturing() else CHUNK_BYTES
+    budget = cfg.graph_chunk_bytes if q.is_cuda and torch.cuda.is_current_stream_capturing() else cfg.chunk_bytes
     rows = max(128, min(L, (budget // (6 * L)) // 128 * 128))
     chunks = -(-L // rows)
     rows = min(L, -(-(-(-L // chunks)) // 128) * 128)          # balanced chunks, multiples of 128 rows
@@ -170,7 +170,7 @@ def vae_attention_numba(q, k, v):
             S = _scores(qr[b, r0:r1], kt)
             Pc = P[:r1 - r0]
             grid = 2 if SIMULATOR else min(r1 - r0, 8 * runtime.sm_count())
-            _softmax(grid, TPB, S.view(-1).view(torch.int64), Pc.view(-1).view(torch.int64), r1 - r0, L // 4, scale)
+            _softmax(grid, cfg.tpb, S.view(-1).view(torch.int64), Pc.view(-1).view(torch.int64), r1 - r0, L // 4, scale)
             torch.mm(Pc, vr[b], out=orows[b, r0:r1])
     return out.permute(0, 3, 1, 2)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flux_numba_pack.cuda_kernels import registry
+from flux_numba_pack.cuda_kernels.config import RowsConfig
 
 DEV = "cuda" if os.environ.get("FLUX_NUMBA_REAL_GPU") == "1" else "cpu"
 BF = torch.bfloat16
@@ -35,3 +36,10 @@ def strict_and_poison(monkeypatch):
         yield
     finally:
         registry.strict = old
+
+
+# the row kernel's variants, passed as ``config=``: pipelined 16-byte rows (the gated one too), one
+# row per block with the modulation vectors read late / with x
+ROW_VARIANTS = {"pipe": RowsConfig(pipe_blocks=8, pipe_blocks_gated=7, late=True, late_gated=True),
+                "late": RowsConfig(pipe_blocks=0, pipe_blocks_gated=0, late=True, late_gated=True),
+                "early": RowsConfig(pipe_blocks=0, pipe_blocks_gated=0, late=False, late_gated=False)}

@@ -18,8 +18,9 @@ from flux_numba_pack.cuda_kernels import registry
 from flux_numba_pack.cuda_kernels import jit
 from flux_numba_pack.cuda_kernels import fp8_format as F8, fp8_rows as FR
 from flux_numba_pack.cuda_kernels import ln_modulate as LM, gated_residual as GR
+from flux_numba_pack.cuda_kernels.config import FP8_ROWS
 
-from _kernel_testing import DEV, BF, rnd, strict_and_poison  # noqa: F401  (autouse fixture)
+from _kernel_testing import DEV, BF, ROW_VARIANTS, rnd, strict_and_poison  # noqa: F401  (autouse fixture)
 FP8_OPS = ("ln_modulate_fp8", "gated_residual_ln_modulate_fp8", "quantize_fp8", "gelu_tanh_fp8", "attn_gelu_fp8")
 
 pytestmark = [pytest.mark.skipif(not jit.NUMBA_OK, reason="numba not importable"),
@@ -123,11 +124,10 @@ def test_reference_format():
 
 # ------------------------------------------------------------------------------- row kernels
 @pytest.fixture(params=["pipe", "late", "early"])
-def late(request, monkeypatch):
-    """The row kernel's variants (pipelined 16-byte rows, one row per block with the vectors read
-    late / with x); the simulator's 2x2x2 grid makes each block stride over several rows."""
-    monkeypatch.setattr(LM, "PIPE_BLOCKS", {0: 8, 1: 7} if request.param == "pipe" else {0: 0, 1: 0})
-    monkeypatch.setattr(LM, "LATE_VEC", {0: request.param != "early", 1: request.param != "early"})
+def late(request):
+    """The row kernel's variants (``ROW_VARIANTS``, passed as ``config=``: pipelined 16-byte rows,
+    one row per block with the vectors read late / with x); the simulator's 2x2x2 grid makes each
+    block stride over several rows."""
     return request.param
 
 
@@ -141,9 +141,9 @@ def view_of(B, L, C, align, scale=2.0, offset=0.0):
 
 def row_key(GATED, late, align):
     if late == "pipe" and align == 16:
-        return ("pipe", GATED, "fp8")
+        return ("pipe", GATED, "fp8", ROW_VARIANTS[late])
     key = {16: (4, GATED, 2), 8: (4, GATED, 1), 2: (1, GATED, 1)}[align]
-    return key + ((1,) if late != "early" else ()) + ("fp8",)
+    return key + ((1,) if late != "early" else ()) + ("fp8", ROW_VARIANTS[late])
 
 
 @pytest.mark.parametrize("B,L,C,align", [(2, 5, 64, 16), (1, 7, 96, 16), (2, 3, 48, 8), (2, 3, 32, 2), (1, 3, 160, 16)])
@@ -157,7 +157,7 @@ def test_ln_modulate_fp8(B, L, C, align, late):
         mod[1, :, C:2 * C] = 0
     x[0, L - 1, 3] = 900.0  # one huge value
     with numba():
-        got = registry.call("ln_modulate_fp8", x, sh, sc, 1e-6)
+        got = registry.call("ln_modulate_fp8", x, sh, sc, 1e-6, config=ROW_VARIANTS[late])
     assert registry.last["ln_modulate_fp8"] == "numba"
     assert LM._launchers[row_key(0, late, align)].kernel is not None
     assert_fp8(got, LM.reference_fp8(x, sh, sc, 1e-6), LM.modulate_fp32(x, sh, sc, 1e-6))
@@ -185,7 +185,7 @@ def test_gated_residual_ln_modulate_fp8(B, L, C, align, late):
     y[0, 1, 5] = 300.0
     x1, x2 = x.clone(), x.clone()
     with numba():
-        got = registry.call("gated_residual_ln_modulate_fp8", x1, g, y, sh, sc, 1e-6)
+        got = registry.call("gated_residual_ln_modulate_fp8", x1, g, y, sh, sc, 1e-6, config=ROW_VARIANTS[late])
     assert LM._launchers[row_key(1, late, align)].kernel is not None
     ref = GR.reference_ln_fp8(x2, g, y, sh, sc, 1e-6)
     assert torch.equal(x1, x2), "the updated residual is stock's bf16, bit for bit"
@@ -286,7 +286,7 @@ def test_checks_decline_with_reason():
     assert "bf16" in registry.ops["gelu_tanh_fp8"].backends["numba"].check(rnd(1, 3, 32).float())
     assert "[B, L" in registry.ops["quantize_fp8"].backends["numba"].check(rnd(1, 3, 2, 32))
     assert "differ" in registry.ops["attn_gelu_fp8"].backends["numba"].check(rnd(1, 3, 32), rnd(1, 4, 32))
-    assert "row width" in registry.ops["gelu_tanh_fp8"].backends["numba"].check(rnd(1, 1, FR.MAX_K + 16))
+    assert "row width" in registry.ops["gelu_tanh_fp8"].backends["numba"].check(rnd(1, 1, FP8_ROWS.max_k + 16))
     # declined -> the reference runs (not strict), with the same format
     registry.strict = False
     with numba():

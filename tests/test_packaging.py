@@ -11,8 +11,8 @@ except ImportError:  # Python 3.10
     tomllib = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED = ["__init__.py", "_pack.py", "run.py", "bench.py", "bench/_bench_setup.py", "bench/_bench_diag.py", "nodes",
-           "cuda_kernels", "flux_core"]
+SHIPPED = ["__init__.py", "_pack.py", "run.py", "bench.py", "bench/_bench_setup.py", "bench/_bench_diag.py",
+           "bench/timing.py", "nodes", "cuda_kernels", "flux_core"]
 
 # import name -> the distribution that provides it (as named in requirements.txt)
 DIST = {
@@ -25,7 +25,7 @@ DIST = {
 HOST = {"torch", "comfy", "comfy_api", "folder_paths", "server", "comfyui_version",
         "comfy_aimdo"}  # comfy-aimdo: ComfyUI v0.33's DynamicVRAM (imported only where ComfyUI runs it)
 # the pack's own modules (imported by name from the repo root or bench/)
-LOCAL = {"_pack", "flux_numba_pack", "gpu_vae", "_bench_setup", "_bench_diag"}
+LOCAL = {"_pack", "flux_numba_pack", "gpu_vae", "_bench_setup", "_bench_diag", "timing"}
 
 
 def _name(req):
