@@ -540,6 +540,8 @@ def test_failed_before_first_step_says_so(fake_comfy, sent):
     with pytest.raises(RuntimeError):
         run_sampler(a, 3, per_step=boom)
     run = timing.last_run(node_id="3")
+    # the patch was applied; no step finished, so nothing says which ops ran (not "partly patched")
+    assert run["model"]["state"] == "patched", run["model"]
     row = timing_report.table_text([run]).split("\n")[2].split()
     assert row[2:7] == ["0", "-", "-", "-", "-"], row
     assert "FAILED after 0 steps" in timing_report.state_words(run)
