@@ -508,3 +508,28 @@ def test_benchmark_json_goes_only_where_asked(tmp_path):
             "--variants", "exact", "--reps", "1", "--warmup", "0", "--json", str(out), env_extra={"OUT": str(outdir)})
     assert out.exists() and os.listdir(outdir) == []
     assert p.stdout.rstrip().splitlines()[-1] == f"results: {out}"
+
+
+@pytest.mark.parametrize("script,args,want", [
+    ("bench/gpu_server.py", ["--comfy", "{tree}", "--json", "/proc/x"], "argument --json: cannot write /proc/x"),
+    ("bench/gpu_server.py", ["--comfy", "{tree}", "--logs", "/proc/x/logs"], "argument --logs: cannot create folder /proc/x/logs"),
+    ("bench/gpu_server.py", ["--comfy", "{tree}", "--profile", "{file}"], "argument --profile: {file} exists and is not a folder"),
+    ("bench/gpu_jit.py", ["--json", "/proc/x"], "argument --json: cannot write /proc/x"),
+    ("bench/gpu_fallback_cost.py", ["--comfy", "/nonexistent"], "argument --comfy: no ComfyUI tree at '/nonexistent'"),
+    ("bench/gpu_fallback_cost.py", ["--comfy", "{tree}"], "no CUDA GPU"),
+])
+def test_bench_tools_check_outputs_and_inputs_first(tmp_path, script, args, want):
+    """The GPU tools' output paths and --comfy trees are checked before any work (one line, exit 2,
+    no traceback, nothing written) -- gpu_jit.py used to build for minutes, then fail on --json."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    tree = tmp_path / "tree"
+    (tree / "comfy").mkdir(parents=True)
+    (tree / "main.py").write_text("")
+    f = tmp_path / "file"
+    f.write_text("")
+    fmt = dict(tree=tree, file=f)
+    p = run(script, *[a.format(**fmt) for a in args], env_extra={"CUDA_VISIBLE_DEVICES": ""}, check=False)
+    err = _one_line_exit_2(p, os.path.basename(script))
+    assert want.format(**fmt) in err, err
+    assert sorted(os.listdir(tmp_path)) == ["file", "tree"] and p.stdout == ""
