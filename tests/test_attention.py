@@ -16,6 +16,9 @@ from flux_numba_pack.cuda_kernels.attention import int8_wgmma as W8
 from flux_numba_pack.cuda_kernels.attention.launch import cuda as nbcuda   # (a global: the simulator swaps it)
 
 DEV = "cpu" if runtime.SIMULATOR else "cuda"
+# the slowest cases in the simulator (wgmma at L >= 130, the switch variants, the fused-pack variants):
+# tests/run.sh's fast set leaves them out, --full and CI run them; each kernel keeps a small case there
+SLOW = pytest.mark.slow
 
 
 def ref32(q, k, v, mask=None):
@@ -234,7 +237,7 @@ def test_attention_8bit(B, H, L, masked):
 
 
 @pytest.mark.parametrize("kind,L,case,masked", [("mma", 40, "random", False), ("mma", 40, "outliers", True),
-                                                  ("wgmma", 130, "outliers", False)])
+                                                  pytest.param("wgmma", 130, "outliers", False, marks=SLOW)])
 def test_attention_8bit_matches_its_reference(kind, L, case, masked):
     # the 8-bit kernels vs attention8_reference (the same quantization in torch): ~0.2% apart on random
     # inputs where both are ~1% from fp32 -- a 5x sharper check than fp32's 2-3% -- and finite on
@@ -298,7 +301,7 @@ def test_stream_scratch_cache():
     assert len(made) == 19
 
 
-@pytest.mark.parametrize("B,H,L", [(1, 2, 100), (2, 1, 130), (1, 1, 330)])
+@pytest.mark.parametrize("B,H,L", [(1, 2, 100), pytest.param(2, 1, 130, marks=SLOW), pytest.param(1, 1, 330, marks=SLOW)])
 def test_8bit_prepass_tiled_k8(B, H, L):
     # the pre-pass writing K8 straight in tile_kv's layout (the wgb kernels' bulk-copy image):
     # equal to tile_kv_reference of its row-major K8; rows past Lp (L=130: Lp 192, 256 rows) zero
@@ -418,7 +421,7 @@ def _wgmma_at_d32():
                     "(test_attention_numba_default_hopper_d128 and the 8-bit d128 tests)")
 
 
-@pytest.mark.parametrize("L", [40, 400])
+@pytest.mark.parametrize("L", [40, pytest.param(400, marks=SLOW)])
 def test_attention_8bit_wgmma(L):
     # int8 wgmma: 128-key tiles through tile_kv + bulk copies, 2 ping-pong warpgroups (L=400: the ring
     # wraps, ragged)
@@ -450,6 +453,7 @@ def _check_switch_variant(cfg, B, H, L, D, seed, label):
     assert e8 < 5e-3 and e8 < eq / 3, (e8, eq)
 
 
+@SLOW
 @pytest.mark.parametrize("name", list(WGMMA_SWITCHES))
 def test_attention_8bit_wgmma_switches(name):
     """A config with other switches builds its own kernel (the config is the build key; V chunk-major
@@ -489,7 +493,7 @@ def test_select_and_configs():
 
 
 # ---------------------------------------------------------------- numba-8bit fed by qk_norm_rope(quant8=True)
-@pytest.mark.parametrize("var", ["auto", "wgmma", "wgmma-q", "wgmma-qv", "mma-q"])
+@pytest.mark.parametrize("var", ["auto", *(pytest.param(v, marks=SLOW) for v in ("wgmma", "wgmma-q", "wgmma-qv", "mma-q"))])
 def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
     """q/k/v and the int8 pack from qk_norm_rope (txt + img parts, batch 2, ragged L = 41, K with a
     channel offset), passed as the op's q8 argument; the 8-bit kernel with per-token scales vs fp32
@@ -556,7 +560,7 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
         assert e < 2e-2, e
 
 
-@pytest.mark.parametrize("L,masked", [(400, True), (20, False)])
+@pytest.mark.parametrize("L,masked", [pytest.param(400, True, marks=SLOW), (20, False)])
 def test_attention_numba_wgmma_pipelined(L, masked):
     # the bf16 wgmma kernel (128-key tiles through tile_kv and bulk copies, 2 warpgroups, 3-stage
     # ring): L=400 wraps the ring (4 tiles, ragged, zero-padded last tile) under a bool mask;
