@@ -61,6 +61,22 @@ def create_problem(folder):
     return None
 
 
+def folder_out_problem(path):
+    """Why ``path`` (a folder a command makes or writes into later) cannot be, or None; leaves
+    nothing behind."""
+    if not path:
+        return "empty path"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} exists and is not a folder"
+    base = nearest_existing(path)
+    if not os.path.isdir(base):
+        return f"cannot create folder {path} ({base} is not a folder)"
+    why = create_problem(base)
+    if why:
+        return f"{'cannot write into folder' if base == os.path.abspath(path) else 'cannot create folder'} {path} ({why})"
+    return None
+
+
 def file_out_problem(path, example="out.json"):
     """Why ``path`` (a file a command writes later) cannot be written, or None; leaves nothing
     behind (run.py and bench.py check their output paths before any work)."""

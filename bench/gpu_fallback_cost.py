@@ -24,6 +24,18 @@ def main():
     p.add_argument("--res", type=int, default=1024)
     p.add_argument("--reps", type=int, default=10)
     a = p.parse_args()
+    if not os.path.isfile(os.path.join(a.comfy, "main.py")) or not os.path.isdir(os.path.join(a.comfy, "comfy")):
+        p.exit(2, f"gpu_fallback_cost.py: error: argument --comfy: no ComfyUI tree at {a.comfy!r} (no main.py / comfy/)\n")
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if not cuda:
+        p.exit(2, "gpu_fallback_cost.py: error: no CUDA GPU (torch sees none): it times forwards on the GPU\n")
+    if not os.path.isfile(a.weights):
+        p.exit(2, f"gpu_fallback_cost.py: error: argument --weights: no file {a.weights!r} "
+                  "(bench/gpu_server.py writes random FLUX.1-dev weights there)\n")
     sys.argv = [sys.argv[0]]
     sys.path.insert(0, a.comfy)
     os.chdir(a.comfy)

@@ -98,6 +98,12 @@ def main():
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workers", type=int, default=None, help="background build processes (default: the pack's)")
     a = ap.parse_args()
+    if a.json is not None:  # checked before the minutes of building, not after
+        sys.path.insert(0, ROOT)
+        from _pack import file_out_problem
+        why = file_out_problem(a.json, "jit.json")
+        if why:
+            ap.exit(2, f"gpu_jit.py: error: argument --json: {why}\n")
     cold, pre = tempfile.mkdtemp(prefix="numba_seq_"), tempfile.mkdtemp(prefix="numba_pre_")
     rows = [child("sequential", cold), child("prebuild", pre, a.workers), child("restart", pre, a.workers)]
     if a.json:

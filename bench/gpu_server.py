@@ -178,6 +178,16 @@ def check_args(p, a, flag_sets, cases):
     for comfy in a.comfy:
         if not os.path.isfile(os.path.join(comfy, "main.py")):
             fail(f"argument --comfy: no ComfyUI tree at {comfy!r}: no main.py there")
+    sys.path.insert(0, ROOT)
+    from _pack import file_out_problem, folder_out_problem
+    if a.json:
+        why = file_out_problem(a.json, "server.json")
+        if why:
+            fail(f"argument --json: {why}")
+    for flag, folder in (("--logs", a.logs), ("--profile", a.profile)):
+        why = folder and folder_out_problem(folder)
+        if why:
+            fail(f"argument {flag}: {why}")
     if not cases:
         fail("argument --cases: no case")
     for case in cases:

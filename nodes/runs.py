@@ -67,11 +67,14 @@ class Run:
 
     def to_dict(self) -> dict:
         backends = merge_backends(self.steps)
+        # which ops ran is known only from finished steps: a run that failed (or is still) before its
+        # first step is not "partly patched: no op of the pack ran"
+        known = backends if self.steps else None
         return {"run": self.id, "node": self.node_id, "label": self.label, "patch": self.patch,
                 "device": self.device, "total_steps": self.total_steps, "started": self.started,
                 "ended": self.ended, "done": self.done, "steps": [dict(r) for r in self.steps],
                 "summary": self.summary(), "backends": backends, "profile": self.profile, "error": self.error,
-                "model": model_state(self.patch, backends, self.fallbacks), "graphs": graphs_summary(self.steps)}
+                "model": model_state(self.patch, known, self.fallbacks), "graphs": graphs_summary(self.steps)}
 
 
 def model_state(patch, backends=None, fallbacks=0) -> dict:

@@ -222,17 +222,37 @@ def chart_figure(runs: List[dict], width: int = 1024, height: int = 512):
             names.append(str(r["label"])[:10] + (f"\nGPU busy {busy:.0f}%" if busy is not None else ""))
         axp.set_xticklabels(names, fontsize=8)
         axp.set_xlim(-0.6, len(prof_runs) - 0.4)
-        # the legend sits between the title and the bars, never over them
-        axp.set_title("profiled step split (ms)" if width >= 900 else "profiled step\nsplit (ms)", fontsize=9, pad=30)
+        # the legend sits between the title and the bars, never over them; it is wider than this
+        # panel, so it reaches over the y tick labels' column: its gap above the plot (borderaxespad,
+        # in legend font sizes) clears the upper half of a tick label sitting on the plot's top edge
+        # (a tick at the autoscaled y limit, which happens for some profiled totals)
+        axp.set_title("profiled step split (ms)" if width >= 900 else "profiled step\nsplit (ms)", fontsize=9, pad=38)
         axp.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=7, frameon=False,
-                   borderaxespad=0.3, handlelength=1.2, columnspacing=0.8)
+                   borderaxespad=1.3, handlelength=1.2, columnspacing=0.8)
     fig.canvas.draw()
     return fig
 
 
+# below this size the legends, titles and tick labels do not fit beside the plots (constrained layout
+# gives up and they land on the bars): smaller images are drawn at least this large, then scaled down
+MIN_DRAW = (512, 256)
+
+
+def draw_size(width: int, height: int):
+    """The size ``chart_array`` draws at for an image of width x height: the same aspect ratio, at
+    least MIN_DRAW in both directions."""
+    s = max(1.0, MIN_DRAW[0] / width, MIN_DRAW[1] / height)
+    return int(round(width * s)), int(round(height * s))
+
+
 def chart_array(runs: List[dict], width: int = 1024, height: int = 512):
-    """RGB float32 array [H, W, 3] in 0..1 of ``chart_figure``."""
+    """RGB float32 array [H, W, 3] in 0..1 of ``chart_figure`` (drawn at ``draw_size``, scaled to
+    width x height)."""
     import numpy as np
-    fig = chart_figure(runs, width, height)
-    buf = np.asarray(fig.canvas.buffer_rgba())
-    return buf[..., :3].astype(np.float32) / 255.0
+    dw, dh = draw_size(width, height)
+    fig = chart_figure(runs, dw, dh)
+    buf = np.asarray(fig.canvas.buffer_rgba())[..., :3]
+    if buf.shape[:2] != (height, width):
+        from PIL import Image
+        buf = np.asarray(Image.fromarray(np.ascontiguousarray(buf)).resize((width, height), Image.LANCZOS))
+    return buf.astype(np.float32) / 255.0

@@ -36,6 +36,74 @@ _pack.load()
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--file-progress", action="store_true",
+                     help="one line as each test file starts (elapsed time, tests done of all) and one as it ends "
+                          "(its counts and time, its skips with the reason): tests/run.sh uses it")
+
+
+def pytest_configure(config):
+    if config.getoption("--file-progress", default=False):
+        config.pluginmanager.register(_FileProgress(config), "flux_numba_file_progress")
+
+
+class _FileProgress:
+    """--file-progress: what is running and what did not run, as it happens (not only at the end)."""
+
+    def __init__(self, config):
+        import time
+        self.config, self.time, self.t0 = config, time.monotonic, time.monotonic()
+        self.total, self.done, self.cur, self.per_file = 0, 0, None, {}
+
+    def _line(self, msg):
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is None:
+            return
+        if getattr(tr._tw, "width_of_current_line", 0):
+            tr._tw.line()  # after the file's dots
+        tr.write_line(msg)
+
+    def _clock(self):
+        s = int(self.time() - self.t0)
+        return f"{s // 60:d}:{s % 60:02d}"
+
+    def pytest_collection_finish(self, session):
+        self.total = len(session.items)
+        for it in session.items:
+            f = it.nodeid.split("::")[0]
+            self.per_file[f] = self.per_file.get(f, 0) + 1
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        f = nodeid.split("::")[0]
+        if f != self.cur:
+            self._end()
+            self.cur, self.f_t0, self.counts, self.skips = f, self.time(), {}, {}
+            pct = 100 * self.done // max(1, self.total)
+            self._line(f"[{self._clock()} {pct:3d}% of {self.total} tests] {f} ({self.per_file.get(f, 0)} tests) ...")
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            out = "error" if report.failed and report.when == "setup" else report.outcome
+            self.counts[out] = self.counts.get(out, 0) + 1
+            if report.skipped:
+                why = " ".join(_skip_reason(report).split())
+                self.skips[why] = self.skips.get(why, 0) + 1
+        if report.when == "teardown":
+            self.done += 1
+
+    def _end(self):
+        if self.cur is None:
+            return
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()))
+        self._line(f"    {self.cur}: {counts or 'nothing ran'} in {self.time() - self.f_t0:.0f} s")
+        for why, n in sorted(self.skips.items(), key=lambda kv: -kv[1]):
+            self._line(f"      skipped {n}: {why if len(why) <= 140 else why[:137] + '...'}")
+        self.cur = None
+
+    def pytest_sessionfinish(self, session):
+        self._end()
+
+
 def pytest_sessionstart(session):
     """A COMFYUI_PATH / COMFYUI_PATHS that names something other than a ComfyUI tree stops the run
     here, with one line, before any test (a wrong explicit path is an error, not a reason to skip
@@ -86,11 +154,14 @@ def skip_summary(reports, width=150, per_kind=6):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """One line per ComfyUI tree that test_comfyui_matrix ran (its inner pytest summary and time);
+    """One line per ComfyUI tree that test_comfyui_matrix ran (its inner pytest summary and time, then
+    its skips per file and reason);
     then what did not run and why: the skips, counted per kind and per reason."""
     m = sys.modules.get("test_comfyui_matrix")
-    for label, tree, summary, secs in getattr(m, "RESULTS", ()):
+    for label, tree, summary, secs, skips in getattr(m, "RESULTS", ()):
         terminalreporter.write_line(f"ComfyUI {label} ({tree}): {summary} [{secs:.0f} s]")
+        for n, fname, why in skips:
+            terminalreporter.write_line(f"{n:9d}  skipped there: {fname}: {why}")
     skipped = [r for r in terminalreporter.stats.get("skipped", []) if getattr(r, "when", "") in ("setup", "call")]
     for ln in skip_summary(skipped):
         terminalreporter.write_line(ln)

@@ -16,8 +16,12 @@ from flux_numba_pack.cuda_kernels.attention import int8_wgmma as W8
 from flux_numba_pack.cuda_kernels.attention.launch import cuda as nbcuda   # (a global: the simulator swaps it)
 from _attn_testing import DEV, _wgmma_at_d32, bool_mask, make, outlier_channels, ref32, rel, run_numba
 
+# the slowest cases in the simulator: tests/run.sh's fast set leaves them out, --full and CI run
+# them; each kernel keeps a small case there
+SLOW = pytest.mark.slow
 
-@pytest.mark.parametrize("L", [40, 400])
+
+@pytest.mark.parametrize("L", [40, pytest.param(400, marks=SLOW)])
 def test_attention_8bit_wgmma(L):
     # int8 wgmma: 128-key tiles through tile_kv + bulk copies, 2 ping-pong warpgroups (L=400: the ring
     # wraps, ragged)
@@ -49,6 +53,7 @@ def _check_switch_variant(cfg, B, H, L, D, seed, label):
     assert e8 < 5e-3 and e8 < eq / 3, (e8, eq)
 
 
+@SLOW
 @pytest.mark.parametrize("name", list(WGMMA_SWITCHES))
 def test_attention_8bit_wgmma_switches(name):
     """A config with other switches builds its own kernel (the config is the build key; V chunk-major
@@ -88,7 +93,7 @@ def test_select_and_configs():
 
 
 # ---------------------------------------------------------------- numba-8bit fed by qk_norm_rope(quant8=True)
-@pytest.mark.parametrize("var", ["auto", "wgmma", "wgmma-q", "wgmma-qv", "mma-q"])
+@pytest.mark.parametrize("var", ["auto", *(pytest.param(v, marks=SLOW) for v in ("wgmma", "wgmma-q", "wgmma-qv", "mma-q"))])
 def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
     """q/k/v and the int8 pack from qk_norm_rope (txt + img parts, batch 2, ragged L = 41, K with a
     channel offset), passed as the op's q8 argument; the 8-bit kernel with per-token scales vs fp32
@@ -155,7 +160,7 @@ def test_attention_8bit_fused_quant8_pack(monkeypatch, var):
         assert e < 2e-2, e
 
 
-@pytest.mark.parametrize("L,masked", [(400, True), (20, False)])
+@pytest.mark.parametrize("L,masked", [pytest.param(400, True, marks=SLOW), (20, False)])
 def test_attention_numba_wgmma_pipelined(L, masked):
     # the bf16 wgmma kernel (128-key tiles through tile_kv and bulk copies, 2 warpgroups, 3-stage
     # ring): L=400 wraps the ring (4 tiles, ragged, zero-padded last tile) under a bool mask;
@@ -420,7 +425,7 @@ def test_exp2_fma_matches_reference_and_exp2():
 # --- the integer-P V kernel (Int8Config pv="u8s8", int8_wgmma_u8s8; issue #38): u8 P per row and
 # 64-key group x s8 V per channel on integer wgmma, against int8_pv_ref (its arithmetic in torch)
 
-@pytest.mark.parametrize("L,masked", [(40, False), (400, False), (200, True)])
+@pytest.mark.parametrize("L,masked", [(40, False), pytest.param(400, False, marks=SLOW), pytest.param(200, True, marks=SLOW)])
 def test_attention_8bit_u8s8_matches_int8_pv_ref(L, masked):
     # simulator, head dim 32: one partial tile, the ring wrapping with a ragged tail, a mask; the
     # kernel's output vs the integer reference (both quantise Q K per block, V per channel, P per

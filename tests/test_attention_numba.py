@@ -10,6 +10,10 @@ from flux_numba_pack.cuda_kernels import runtime
 from flux_numba_pack.cuda_kernels import attention as A
 from _attn_testing import DEV, _wgmma_at_d32, bool_mask, make, outlier_channels, ref32, rel, run_numba
 
+# the slowest cases in the simulator: tests/run.sh's fast set leaves them out, --full and CI run
+# them; each kernel keeps a small case there
+SLOW = pytest.mark.slow
+
 
 @pytest.mark.parametrize("B,H,L,D", [(2, 1, 40, 32), (1, 2, 17, 16), (1, 1, 1, 32)])
 def test_attention_numba_plain(B, H, L, D):
@@ -98,7 +102,7 @@ def test_attention_8bit(B, H, L, masked):
 
 
 @pytest.mark.parametrize("kind,L,case,masked", [("mma", 40, "random", False), ("mma", 40, "outliers", True),
-                                                  ("wgmma", 130, "outliers", False)])
+                                                  pytest.param("wgmma", 130, "outliers", False, marks=SLOW)])
 def test_attention_8bit_matches_its_reference(kind, L, case, masked):
     # the 8-bit kernels vs attention8_reference (the same quantization in torch): ~0.2% apart on random
     # inputs where both are ~1% from fp32 -- a 5x sharper check than fp32's 2-3% -- and finite on
@@ -162,7 +166,7 @@ def test_stream_scratch_cache():
     assert len(made) == 19
 
 
-@pytest.mark.parametrize("B,H,L", [(1, 2, 100), (2, 1, 130), (1, 1, 330)])
+@pytest.mark.parametrize("B,H,L", [(1, 2, 100), pytest.param(2, 1, 130, marks=SLOW), pytest.param(1, 1, 330, marks=SLOW)])
 def test_8bit_prepass_tiled_k8(B, H, L):
     # the pre-pass writing K8 straight in tile_kv's layout (the wgb kernels' bulk-copy image):
     # equal to tile_kv_reference of its row-major K8; rows past Lp (L=130: Lp 192, 256 rows) zero

@@ -21,7 +21,7 @@ So the server sends real flux_numba.step messages from a real sampler, and the p
 Flow: start ComfyUI (--cpu) with the pack symlinked into a temp custom_nodes dir -> open the page ->
 load the workflow (UI format) -> queue it -> wait for  [data-flux-numba-chart][data-bars="N"]  -> check
 the report node's text -> screenshot -> reload the page and check the series persisted
-(node.properties).  Screenshots: artifacts/browser_timer_chart.png (+ _node.png, _reload.png).
+(node.properties).  Screenshots: artifacts/browser_timer_chart_<tree>_fe<frontend>.png (+ _node, _reload).
 
 test_example_workflow_runs_in_browser (issue 6 bar) runs the SHIPPED example
 example_workflows/flux1_dev_stock_vs_numba.json in the page, with FLUX for real at toy size:
@@ -36,10 +36,14 @@ example_workflows/flux1_dev_stock_vs_numba.json in the page, with FLUX for real 
     chart has exactly 3 bars whose ms are those of the server's flux_numba.step websocket frames, and
     mean/min/max/total match the report node's table in /history; the compare node shows the PSNR/SSIM
     text of its /history output; stock, patched and the report chart PNGs are in the output folder.
-  Screenshots: artifacts/browser_example_{all,stock,patched,compare,report}.png.
+  Screenshots: artifacts/browser_example_{all,stock,patched,compare,report}_<tree>_fe<frontend>.png.
+
+test_chart_states_in_browser (issue #39): pass-through, torch-backend with profile_split, and failed runs
+(see STATES_SCRIPT); every test here also fails on a console warning / error from flux_numba*.js.
 """
 import contextlib
 import json
+import re
 import os
 import shutil
 import socket
@@ -51,7 +55,7 @@ import urllib.request
 
 import pytest
 
-from _comfy_trees import comfyui_path, frontend_args
+from _comfy_trees import comfyui_path, frontend_args, required_frontend, version_label
 
 pytestmark = pytest.mark.comfyui
 
@@ -66,6 +70,14 @@ EX_STEPS = 3
 
 
 # ------------------------------------------------------------------------------------------ discovery
+def _shot(server, name):
+    """artifacts/<name>_<ComfyUI version>_fe<frontend version>.png: the screenshots of each tree kept
+    side by side (a run on the other tree does not overwrite them)."""
+    os.makedirs(ART, exist_ok=True)
+    fe = required_frontend(server["comfy"]) or "installed"
+    return os.path.join(ART, f"{name}_{version_label(server['comfy'])}_fe{fe}.png")
+
+
 def _comfy_path():
     return comfyui_path()  # tests/_comfy_trees.py: per tree from test_comfyui_matrix, or COMFYUI_PATH
 
@@ -218,8 +230,11 @@ const log = (...a) => console.error("[browser]", ...a);
   });
   try {
     const page = browser.pages()[0] || await browser.newPage();
-    page.on("console", (m) => { if (m.type() === "error" || m.text().includes("FluxNumba")) res.console.push(m.type() + ": " + m.text()); });
-    page.on("pageerror", (e) => res.console.push("pageerror: " + e.message));
+    page.on("console", (m) => {
+      if (["warning", "error"].includes(m.type()) || /flux.?numba/i.test(m.text()))
+        res.console.push({ type: m.type(), text: m.text(), url: (m.location() || {}).url || "" });
+    });
+    page.on("pageerror", (e) => res.console.push({ type: "pageerror", text: e.message, url: String(e.stack || "") }));
     await page.goto(cfg.url, { waitUntil: "domcontentloaded" });
     await page.waitForFunction(() => window.app && window.app.graph && window.fluxNumba, null, { timeout: 120000 });
     log("app ready");
@@ -403,10 +418,10 @@ def test_chart_in_browser(comfy_server):
         "url": comfy_server["url"], "chromium": comfy_server["chromium"], "steps": N_STEPS, "timeoutMs": 180000,
         "userDataDir": tempfile.mkdtemp(prefix="chromium_", dir=comfy_server["base"]),
         "workflow": ui_workflow(comfy_server["unet"]),
-        "shot": os.path.join(ART, "browser_timer_chart.png"),
-        "shotNode": os.path.join(ART, "browser_timer_chart_node.png"),
-        "shotReload": os.path.join(ART, "browser_timer_chart_reload.png"),
-        "shotExample": os.path.join(ART, "browser_example_workflow.png"),
+        "shot": _shot(comfy_server, "browser_timer_chart"),
+        "shotNode": _shot(comfy_server, "browser_timer_chart_node"),
+        "shotReload": _shot(comfy_server, "browser_timer_chart_reload"),
+        "shotExample": _shot(comfy_server, "browser_example_workflow"),
         "example": json.load(open(EXAMPLE)),
     }
     res = run_browser_script(comfy_server, "browser_test", BROWSER_SCRIPT, cfg, timeout=600)
@@ -418,7 +433,9 @@ def test_chart_in_browser(comfy_server):
     assert len(s["steps"]) == N_STEPS and s["done"] and s["summary"]["steps"] == N_STEPS
     assert all(p["ms"] > 0 for p in s["steps"])
     assert "mean ms" in res["report_text"] and "stock" in res["report_text"]
-    seen = [b for b in res["bars_seen"] if b > 0]
+    # every redraw (a step, the run's start / end, a resize) sets data-bars, also to the same number:
+    # the distinct counts in order must be 1, 2, ..., N (one bar per step, none skipped)
+    seen = [b for i, b in enumerate(res["bars_seen"]) if b > 0 and (i == 0 or b != res["bars_seen"][i - 1])]
     assert seen[:N_STEPS] == list(range(1, N_STEPS + 1)), f"chart did not grow step by step: {res['bars_seen']}"
     assert not res.get("export_error"), res.get("export_error")
     assert res["export_name"].endswith(".json") and len(res["export"]["series"]["stock"]["steps"]) == N_STEPS
@@ -426,6 +443,7 @@ def test_chart_in_browser(comfy_server):
     assert res["bars_after_reload"] == N_STEPS, "series did not survive a page reload (node.properties)"
     assert os.path.getsize(cfg["shot"]) > 10000
     check_example_prompt(res)
+    check_console(res)
 
 
 def check_example_prompt(res):
@@ -484,8 +502,11 @@ const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
   });
   try {
     const page = browser.pages()[0] || await browser.newPage();
-    page.on("console", (m) => { if (m.type() === "error" || m.text().includes("FluxNumba")) res.console.push(m.type() + ": " + m.text()); });
-    page.on("pageerror", (e) => res.console.push("pageerror: " + e.message));
+    page.on("console", (m) => {
+      if (["warning", "error"].includes(m.type()) || /flux.?numba/i.test(m.text()))
+        res.console.push({ type: m.type(), text: m.text(), url: (m.location() || {}).url || "" });
+    });
+    page.on("pageerror", (e) => res.console.push({ type: "pageerror", text: e.message, url: String(e.stack || "") }));
     // what the server sends (raw websocket frames, not the frontend's copy) and what the page queues
     page.on("websocket", (ws) => ws.on("framereceived", (f) => {
       try {
@@ -636,7 +657,8 @@ def _report_rows(text):
     rows = {}
     for line in text.splitlines():
         p = line.split()
-        if len(p) == 8 and p[0].isdigit():
+        # run label steps mean min max total it/s, then model state (one or two words), graphs, host-bound
+        if len(p) >= 8 and p[0].isdigit() and p[2].isdigit():
             rows[p[1]] = dict(run=int(p[0]), steps=int(p[2]), mean=p[3], min=p[4], max=p[5], total=p[6])
     return rows
 
@@ -646,7 +668,7 @@ def test_example_workflow_runs_in_browser(comfy_server):
     numbers, the compare node shows PSNR/SSIM, the report chart is saved."""
     from PIL import Image
     os.makedirs(ART, exist_ok=True)
-    shots = {k: os.path.join(ART, f"browser_example_{k}.png") for k in ("all", "stock", "patched", "compare", "report")}
+    shots = {k: _shot(comfy_server, f"browser_example_{k}") for k in ("all", "stock", "patched", "compare", "report")}
     cfg = {
         "url": comfy_server["url"], "chromium": comfy_server["chromium"], "steps": EX_STEPS, "timeoutMs": 300000,
         "userDataDir": tempfile.mkdtemp(prefix="chromium_ex_", dir=comfy_server["base"]),
@@ -746,5 +768,261 @@ def test_example_workflow_runs_in_browser(comfy_server):
     assert "FluxNumbaPatch: 1 double + 1 single blocks" in server_log
     fb = [ln for ln in server_log.splitlines() if "running ComfyUI's original block instead" in ln]
     assert not fb, fb  # the pack's blocks ran: a fallback would make the PSNR check vacuous
+    check_console(res)
+    for k, v in shots.items():
+        assert os.path.getsize(v) > 2000, k
+
+
+# ------------------------------------------------------------------------------------------ what each run says (#39)
+# Issue #39's chart points in the page, on this tree's frontend, FLUX for real at toy size on the CPU:
+#   run A (one prompt, two timers): FluxNumbaPatch backend "auto" -> passes the model through on the CPU
+#     (timer "passthru"); backend "torch" -> patched (timer "patched", profile_split on); the report node
+#     and a preview of its chart image;
+#   run B: the patched branch fed an SD-shaped conditioning -> the model's first call fails (timer "failed").
+# Checked: each series' state in words (NOT PATCHED with its reason / PATCHED / FAILED with its error), no
+# CUDA-graph strip or caption anywhere (CPU), "3/3 steps" over 3 bars with the profiled step explained,
+# the step slots fixed from the first step, the SVG drawn in its own pixels (no preserveAspectRatio
+# "none"), a failed run's error in the plot (no placeholder, no "mean - ms" / "total 0.0 ms"), the
+# report node's table not clipped, and no console warning / error from flux_numba*.js (nor a call the
+# frontend reports as deprecated).  Screenshots: artifacts/browser_states_*_<tree>_fe<frontend>.png.
+STATES_SCRIPT = r'''
+const { chromium } = require(process.env.PW_CORE);
+const fs = require("fs");
+const cfg = JSON.parse(fs.readFileSync(process.argv[2], "utf8"));
+const log = (...a) => console.error("[browser]", ...a);
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+(async () => {
+  const res = { console: [], frames: [] };
+  const browser = await chromium.launchPersistentContext(cfg.userDataDir, {
+    executablePath: cfg.chromium, headless: true, viewport: { width: 1400, height: 900 },
+    args: ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+           "--disable-component-update", "--disable-sync"],
+  });
+  try {
+    const page = browser.pages()[0] || await browser.newPage();
+    page.on("console", (m) => {
+      if (["warning", "error"].includes(m.type()) || /flux.?numba/i.test(m.text()))
+        res.console.push({ type: m.type(), text: m.text(), url: (m.location() || {}).url || "" });
+    });
+    page.on("pageerror", (e) => res.console.push({ type: "pageerror", text: e.message, url: String(e.stack || "") }));
+    page.on("websocket", (ws) => ws.on("framereceived", (f) => {
+      try { const m = JSON.parse(f.payload); if (["execution_success", "execution_error", "execution_interrupted"].includes(m.type)) res.frames.push(m); } catch (e) {}
+    }));
+    await page.goto(cfg.url, { waitUntil: "domcontentloaded" });
+    await page.waitForFunction(() => window.app && window.app.graph && window.fluxNumba, null, { timeout: 120000 });
+    await page.keyboard.press("Escape");
+    const chartInfo = (ids) => page.evaluate((ids) => Object.fromEntries(ids.map((id) => {
+      const el = document.querySelector(`[data-flux-numba-chart][data-node-id="${id}"]`);
+      const svg = el.querySelector("svg");
+      const rows = [...el.querySelectorAll(".flux-numba-stats-row")].map((r) => ({
+        label: r.dataset.label, model: r.dataset.model, status: r.dataset.status, text: r.innerText,
+        state: r.querySelector(".flux-numba-state")?.textContent, line: r.querySelector(".flux-numba-line")?.textContent }));
+      return [id, { bars: Number(el.dataset.bars), slots: Number(el.dataset.slots), rows,
+        rects: [...el.querySelectorAll("rect.flux-numba-bar")].map((r) => ({ fill: r.getAttribute("fill"), profiled: r.dataset.profiled, graphs: r.dataset.graphs })),
+        graphStrips: el.querySelectorAll(".flux-numba-graph").length,
+        caption: el.querySelector(".flux-numba-caption")?.textContent ?? null,
+        empty: el.querySelector(".flux-numba-empty")?.textContent ?? null,
+        text: el.innerText + " " + [...svg.querySelectorAll("text")].map((t) => t.textContent).join(" "),
+        par: svg.getAttribute("preserveAspectRatio"), viewBox: svg.getAttribute("viewBox"),
+        box: [Math.round(svg.clientWidth), Math.round(svg.clientHeight)] }];
+    })), ids);
+    const watch = (ids) => page.evaluate((ids) => {
+      window.__fnSeen = {};
+      for (const id of ids) {
+        const el = document.querySelector(`[data-flux-numba-chart][data-node-id="${id}"]`);
+        window.__fnSeen[id] = [];
+        new MutationObserver(() => window.__fnSeen[id].push([Number(el.dataset.bars), Number(el.dataset.slots)]))
+          .observe(el, { attributes: true, attributeFilter: ["data-bars", "data-slots"] });
+      }
+    }, ids);
+    const runPrompt = async (wf, ids) => {
+      res.frames.length = 0;
+      await page.evaluate(async (wf) => { await window.app.loadGraphData(wf); }, wf);
+      for (const id of ids) await page.waitForSelector(`[data-flux-numba-chart][data-node-id="${id}"]`, { state: "attached", timeout: 30000 });
+      await page.keyboard.press("Escape");
+      await watch(ids);
+      await page.evaluate(async () => { await window.app.queuePrompt(0, 1); });
+      const t0 = Date.now();
+      while (!res.frames.length) {
+        if (Date.now() - t0 > cfg.timeoutMs) throw new Error("prompt did not finish");
+        await sleep(500);
+      }
+      await sleep(1500);  // the last flux_numba.run frame and the report's onExecuted
+      return res.frames[0];
+    };
+    const nodeShot = async (id, path) => {
+      const clip = await page.evaluate((id) => {
+        const c = window.app.canvas, n = window.app.graph.getNodeById(id), r = c.canvas.getBoundingClientRect();
+        c.deselectAll?.();
+        c.ds.scale = 1;
+        c.ds.offset = [-n.pos[0] + 160, -n.pos[1] + 160];
+        c.setDirty(true, true);
+        return { x: r.x + 145, y: r.y + 115, width: Math.min(n.size[0] + 30, r.width - 145), height: Math.min(n.size[1] + 60, r.height - 115) };
+      }, id);
+      await page.waitForTimeout(800);
+      await page.screenshot({ path, clip });
+    };
+    // run A
+    res.endA = await runPrompt(cfg.wfA, cfg.idsA);
+    log("run A:", res.endA.type);
+    res.chartsA = await chartInfo(cfg.idsA);
+    res.seenA = await page.evaluate(() => window.__fnSeen);
+    res.report = await page.evaluate((id) => {
+      const pre = document.querySelector(`[data-flux-numba-text][data-node-id="${id}"]`);
+      const n = window.app.graph.getNodeById(id);
+      return { text: pre?.textContent ?? null, scrollW: pre?.scrollWidth, clientW: pre?.clientWidth,
+               tableW: Number(pre?.dataset.tableWidth), size: [...n.size] };
+    }, cfg.reportId);
+    await nodeShot(cfg.idsA[0], cfg.shots.passthru);
+    await nodeShot(cfg.idsA[1], cfg.shots.patched);
+    await nodeShot(cfg.reportId, cfg.shots.report);
+    await nodeShot(cfg.previewId, cfg.shots.preview);
+    // run B
+    res.endB = await runPrompt(cfg.wfB, cfg.idsB);
+    log("run B:", res.endB.type);
+    await page.waitForFunction((id) => document.querySelector(`[data-flux-numba-chart][data-node-id="${id}"] .flux-numba-stats-row[data-status="FAILED"]`),
+      cfg.idsB[0], { timeout: 30000 }).catch(() => {});
+    res.chartsB = await chartInfo(cfg.idsB);
+    res.seenB = await page.evaluate(() => window.__fnSeen);
+    await page.keyboard.press("Escape");
+    for (const sel of [".p-dialog-close-button", "[aria-label=Close]"]) await page.locator(sel).first().click({ timeout: 1000 }).catch(() => {});
+    await nodeShot(cfg.idsB[0], cfg.shots.failed);
+  } catch (e) {
+    res.error = String(e && e.stack || e);
+  } finally {
+    await browser.close();
+  }
+  process.stdout.write(JSON.stringify(res));
+})();
+'''
+
+
+def ui_graph(nodes, links):
+    """A UI-format workflow from (id, type, pos, size, widgets) nodes and (src, slot, dst, slot, type)
+    links; inputs / outputs are named by the frontend from the server's node definitions."""
+    out_links, nlist = [], []
+    ins, outs = {}, {}
+    for i, (src, ss, dst, ds, typ) in enumerate(links, 1):
+        out_links.append([i, src, ss, dst, ds, typ])
+        outs.setdefault(src, {}).setdefault(ss, (typ, []))[1].append(i)
+        ins.setdefault(dst, {})[ds] = (typ, i)
+    for order, (nid, typ, pos, size, widgets, in_names) in enumerate(nodes):
+        nlist.append({"id": nid, "type": typ, "pos": list(pos), "size": list(size), "flags": {}, "order": order,
+                      "mode": 0, "properties": {"Node name for S&R": typ}, "widgets_values": list(widgets),
+                      "inputs": [{"name": name, "type": ins.get(nid, {}).get(k, ("*", None))[0],
+                                  "link": ins.get(nid, {}).get(k, (None, None))[1]} for k, name in enumerate(in_names)],
+                      "outputs": [{"name": t, "type": t, "links": l, "slot_index": k}
+                                  for k, (t, l) in sorted(outs.get(nid, {}).items())]})
+    return {"last_node_id": max(n["id"] for n in nlist), "last_link_id": len(out_links), "nodes": nlist,
+            "links": out_links, "groups": [], "config": {}, "extra": {"ds": {"scale": 0.6, "offset": [40, 40]}},
+            "version": 0.4}
+
+
+STATE_STEPS = 3
+
+
+def _states_workflows():
+    ks = ["model", "positive", "negative", "latent_image"]
+    kw = [7, "fixed", STATE_STEPS, 1.0, "euler", "simple", 1.0]
+    patch = ["exact", True, "auto"]
+    a_nodes = [
+        (1, "UNETLoader", (20, 40), (320, 82), [FLUX_UNET, "default"], []),
+        (2, "FluxNumbaTestFluxConditioning", (20, 160), (320, 60), [0], []),
+        (3, "EmptySD3LatentImage", (20, 260), (320, 106), [64, 64, 1], []),
+        (4, "FluxNumbaPatch", (20, 420), (320, 154), patch + ["auto", "auto"], ["model"]),
+        (5, "FluxNumbaStepTimer", (380, 40), (420, 360), ["passthru", False], ["model"]),
+        (6, "KSampler", (840, 40), (300, 262), kw, ks),
+        (7, "FluxNumbaPatch", (20, 620), (320, 154), patch + ["torch", "auto"], ["model"]),
+        (8, "FluxNumbaStepTimer", (380, 440), (420, 360), ["patched", True], ["model"]),
+        (9, "KSampler", (840, 440), (300, 262), kw, ks),
+        (10, "FluxNumbaTimingReport", (380, 860), (520, 300), ["last", 1024, 512], ["samples", "samples_2"]),
+        (11, "PreviewImage", (1260, 860), (560, 340), [], ["images"]),
+    ]
+    a_links = [(1, 0, 4, 0, "MODEL"), (4, 0, 5, 0, "MODEL"), (5, 0, 6, 0, "MODEL"), (2, 0, 6, 1, "CONDITIONING"),
+               (2, 0, 6, 2, "CONDITIONING"), (3, 0, 6, 3, "LATENT"), (1, 0, 7, 0, "MODEL"), (7, 0, 8, 0, "MODEL"),
+               (8, 0, 9, 0, "MODEL"), (2, 0, 9, 1, "CONDITIONING"), (2, 0, 9, 2, "CONDITIONING"),
+               (3, 0, 9, 3, "LATENT"), (9, 0, 10, 0, "LATENT"), (6, 0, 10, 1, "LATENT"), (10, 0, 11, 0, "IMAGE")]
+    # the SD-shaped conditioning ([1, 77, 768]) into the FLUX model: its first call fails
+    b_nodes = [
+        (1, "UNETLoader", (20, 40), (320, 82), [FLUX_UNET, "default"], []),
+        (2, "FluxNumbaTestConditioning", (20, 160), (320, 46), [], []),
+        (3, "EmptySD3LatentImage", (20, 260), (320, 106), [64, 64, 1], []),
+        (7, "FluxNumbaPatch", (20, 420), (320, 154), patch + ["torch", "auto"], ["model"]),
+        (8, "FluxNumbaStepTimer", (380, 40), (420, 360), ["failed", False], ["model"]),
+        (9, "KSampler", (840, 40), (300, 262), kw, ks),
+        (10, "FluxNumbaTimingReport", (840, 360), (520, 300), ["last", 1024, 512], ["samples", "samples_2"]),
+    ]
+    b_links = [(1, 0, 7, 0, "MODEL"), (7, 0, 8, 0, "MODEL"), (8, 0, 9, 0, "MODEL"), (2, 0, 9, 1, "CONDITIONING"),
+               (2, 0, 9, 2, "CONDITIONING"), (3, 0, 9, 3, "LATENT"), (9, 0, 10, 0, "LATENT")]
+    return ui_graph(a_nodes, a_links), ui_graph(b_nodes, b_links)
+
+
+def check_console(res):
+    """No warning / error from the pack's scripts, and no deprecation the frontend reports about a
+    call made from them."""
+    ours = [m for m in res["console"] if re.search(r"flux_numba(_view)?\.js", m.get("url", "") + " " + m["text"])
+            or "FluxNumba" in m["text"] or "checkState" in m["text"]]
+    assert not ours, ours
+
+
+def check_chart_common(ch, steps):
+    """What no chart on a CPU server may show."""
+    assert ch["par"] in (None, "xMidYMid meet"), ch["par"]  # no preserveAspectRatio="none": text never squeezed
+    assert ch["viewBox"] == f"0 0 {ch['box'][0]} {ch['box'][1]}", (ch["viewBox"], ch["box"])  # its own pixels
+    assert ch["graphStrips"] == 0 and all(r["graphs"] == "" for r in ch["rects"]), ch  # no CUDA, no graph strip
+    assert "graph" not in ch["text"].lower(), ch["text"]  # nor any word about graphs ("CUDA graphs: all 0/3")
+    assert ch["slots"] == steps, ch
+
+
+def _fixed_slots(seen, steps):
+    """From the first bar on, the chart has the run's step slots (it never grows one slot per step)."""
+    with_bars = [s for b, s in seen if b > 0]
+    assert with_bars and all(s == steps for s in with_bars), seen
+
+
+def test_chart_states_in_browser(comfy_server):
+    """Issue #39 part 1 on this tree's frontend: pass-through, torch-backend (profile split) and failed
+    runs, two timers in one prompt."""
+    wf_a, wf_b = _states_workflows()
+    shots = {k: _shot(comfy_server, f"browser_states_{k}") for k in ("passthru", "patched", "report", "preview", "failed")}
+    cfg = {"url": comfy_server["url"], "chromium": comfy_server["chromium"], "timeoutMs": 300000,
+           "userDataDir": tempfile.mkdtemp(prefix="chromium_st_", dir=comfy_server["base"]),
+           "wfA": wf_a, "idsA": [5, 8], "reportId": 10, "previewId": 11, "wfB": wf_b, "idsB": [8], "shots": shots}
+    res = run_browser_script(comfy_server, "browser_states", STATES_SCRIPT, cfg, timeout=560)
+    log = open(comfy_server["log"]).read()[-4000:]
+    assert res["endA"]["type"] == "execution_success", (res["endA"], log)
+    passthru, patched = res["chartsA"]["5"], res["chartsA"]["8"]
+    for ch in (passthru, patched):
+        check_chart_common(ch, STATE_STEPS)
+        assert ch["bars"] == STATE_STEPS and len(ch["rows"]) == 1, ch
+    for nid in ("5", "8"):
+        _fixed_slots(res["seenA"][nid], STATE_STEPS)
+    (row,) = passthru["rows"]
+    assert row["model"] == "not patched" and row["status"] == "done", row
+    assert row["state"].startswith("NOT PATCHED: ") and len(row["state"]) > len("NOT PATCHED: ") + 5, row
+    assert all(r["fill"].startswith("url(#flux-numba-hatch") for r in passthru["rects"]), passthru["rects"]
+    assert row["line"].startswith(f"{STATE_STEPS}/{STATE_STEPS} steps, mean "), row
+    (row,) = patched["rows"]
+    assert row["model"] == "patched" and row["state"] == "PATCHED" and row["status"] == "done", row
+    # profile_split: 3 bars, the header says 3/3 steps and why the mean is over 2
+    assert sum(r["profiled"] == "1" for r in patched["rects"]) == 1, patched["rects"]
+    assert row["line"].startswith(f"{STATE_STEPS}/{STATE_STEPS} steps, mean "), row
+    assert "profiled (dimmed, left out of mean / it/s: mean of 2)" in row["line"], row
+    rep = res["report"]
+    assert "mean ms" in (rep["text"] or "") and "passthru" in rep["text"] and "patched" in rep["text"], rep
+    assert rep["tableW"] <= rep["clientW"], rep  # the report node's table is not clipped
+    assert rep["size"][0] >= rep["tableW"], rep
+    # run B: failed in its first step
+    assert res["endB"]["type"] == "execution_error", res["endB"]
+    failed = res["chartsB"]["8"]
+    (row,) = failed["rows"]
+    assert row["status"] == "FAILED" and failed["bars"] == 0, failed
+    assert row["model"] == "patched" and row["state"] == "PATCHED", row  # not "PARTLY PATCHED: no op ran"
+    assert (failed["empty"] or "").startswith("failed FAILED: ") and len(failed["empty"]) > 25, failed  # the error, in the plot
+    assert "appear here" not in failed["text"] and "waiting" not in failed["text"], failed["text"]
+    assert row["line"] == f"no step finished (0/{STATE_STEPS} steps)", row
+    assert "mean -" not in failed["text"] and "total 0.0" not in failed["text"], failed["text"]
+    assert failed["slots"] == STATE_STEPS and failed["graphStrips"] == 0
+    check_console(res)
     for k, v in shots.items():
         assert os.path.getsize(v) > 2000, k

@@ -508,3 +508,76 @@ def test_benchmark_json_goes_only_where_asked(tmp_path):
             "--variants", "exact", "--reps", "1", "--warmup", "0", "--json", str(out), env_extra={"OUT": str(outdir)})
     assert out.exists() and os.listdir(outdir) == []
     assert p.stdout.rstrip().splitlines()[-1] == f"results: {out}"
+
+
+def test_browser_tools_says_what_it_found_and_never_fails():
+    """tests/browser_tools.sh (what .ci/run uses before the browser tests): one line per tool, exit 0;
+    without npm / apt-get it says so instead of failing (here: a PATH without them and no chromium)."""
+    env = dict(os.environ, PATH="/nonexistent-bin", CHROMIUM_PATH="/nonexistent-chromium",
+               PLAYWRIGHT_CORE_DIR="/nonexistent-pw")
+    p = subprocess.run(["/bin/bash", "tests/browser_tools.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(ln.startswith("browser tools: ") for ln in lines), p.stdout
+    assert "chromium" in lines[0] and "playwright-core" in lines[1]
+    if not os.path.exists("/usr/bin/chromium") and not os.path.exists("/usr/bin/chromium-browser"):
+        assert "no apt-get here" in lines[0], lines[0]
+    if not os.path.isdir(os.path.join(ROOT, ".browser-tools")) and not os.path.isdir("/work/browser-tools"):
+        assert "no npm here" in lines[1], lines[1]
+
+
+def test_fast_default_set_and_full_set():
+    """README's test command runs the fast set (not the tests marked slow) with per-file progress and
+    says how long it takes; --full (what .ci/run runs) runs every test; the slow set is small."""
+    run_sh = open(os.path.join(ROOT, "tests", "run.sh")).read()
+    assert '-m "not slow"' in run_sh and run_sh.count("--file-progress") >= 2 and '"${1:-}" = "--full"' in run_sh
+    assert "exec bash tests/run.sh --full" in open(os.path.join(ROOT, ".ci", "run")).read()
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    assert "bash tests/run.sh --full" in readme and "about 10 minutes" in readme and "about 15 minutes" in readme
+
+    def collected(*args):
+        p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args,
+                            "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return [ln for ln in p.stdout.splitlines() if "::" in ln]
+    slow, everything = collected("-m", "slow"), collected()
+    assert 0 < len(slow) < 0.05 * len(everything), (len(slow), len(everything))
+
+
+def test_file_progress_lines(tmp_path):
+    """--file-progress: a line as a file starts and one as it ends, with its skips and their reason."""
+    t = tmp_path / "test_progress_probe.py"
+    t.write_text("import pytest\n\ndef test_a():\n    pass\n\ndef test_b():\n    pytest.skip('probe reason')\n")
+    # tests/conftest.py (where the option lives) loaded as a plugin: the probe file is outside tests/
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                        "--file-progress", "--rootdir", str(tmp_path), str(t)],
+                       cwd=os.path.join(ROOT, "tests"), capture_output=True, text=True, timeout=300)
+    out = p.stdout
+    assert p.returncode == 0, out + p.stderr
+    assert "% of 2 tests] " in out and "test_progress_probe.py (2 tests) ..." in out, out
+    assert "test_progress_probe.py: 1 passed, 1 skipped in " in out and "skipped 1: probe reason" in out, out
+
+
+@pytest.mark.parametrize("script,args,want", [
+    ("bench/gpu_server.py", ["--comfy", "{tree}", "--json", "/proc/x"], "argument --json: cannot write /proc/x"),
+    ("bench/gpu_server.py", ["--comfy", "{tree}", "--logs", "/proc/x/logs"], "argument --logs: cannot create folder /proc/x/logs"),
+    ("bench/gpu_server.py", ["--comfy", "{tree}", "--profile", "{file}"], "argument --profile: {file} exists and is not a folder"),
+    ("bench/gpu_jit.py", ["--json", "/proc/x"], "argument --json: cannot write /proc/x"),
+    ("bench/gpu_fallback_cost.py", ["--comfy", "/nonexistent"], "argument --comfy: no ComfyUI tree at '/nonexistent'"),
+    ("bench/gpu_fallback_cost.py", ["--comfy", "{tree}"], "no CUDA GPU"),
+])
+def test_bench_tools_check_outputs_and_inputs_first(tmp_path, script, args, want):
+    """The GPU tools' output paths and --comfy trees are checked before any work (one line, exit 2,
+    no traceback, nothing written) -- gpu_jit.py used to build for minutes, then fail on --json."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    tree = tmp_path / "tree"
+    (tree / "comfy").mkdir(parents=True)
+    (tree / "main.py").write_text("")
+    f = tmp_path / "file"
+    f.write_text("")
+    fmt = dict(tree=tree, file=f)
+    p = run(script, *[a.format(**fmt) for a in args], env_extra={"CUDA_VISIBLE_DEVICES": ""}, check=False)
+    err = _one_line_exit_2(p, os.path.basename(script))
+    assert want.format(**fmt) in err, err
+    assert sorted(os.listdir(tmp_path)) == ["file", "tree"] and p.stdout == ""

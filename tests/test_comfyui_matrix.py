@@ -69,9 +69,25 @@ def test_comfyui_tree(version):
         out, rc = out + f"\n(timed out after {timeout:.0f} s)", None
     secs = time.monotonic() - t0
     summary = _summary_line(out)
-    RESULTS.append((f"v{version}", tree, summary, secs))
+    RESULTS.append((f"v{version}", tree, summary, secs, inner_skips(out)))
     print(f"ComfyUI v{version} ({tree}): {summary} [{secs:.0f} s]")
     assert rc == 0, f"ComfyUI v{version} at {tree}: exit {rc}, {summary}\n--- tail of the run ---\n{_tail(out)}"
+
+
+_SKIPPED = re.compile(r"^SKIPPED \[(\d+)\] ([^:]+):\d+: (.*)$")
+
+
+def inner_skips(out):
+    """The per-tree run's skips (its -rs lines), counted per test file and reason: [(n, file, reason)],
+    so the outer summary says which ComfyUI tests did not run there and why (e.g. the browser tests
+    without chromium / playwright-core)."""
+    counts = {}
+    for ln in out.splitlines():
+        m = _SKIPPED.match(ln.strip())
+        if m:
+            key = (os.path.basename(m.group(2)), m.group(3).strip())
+            counts[key] = counts.get(key, 0) + int(m.group(1))
+    return [(n, f, why) for (f, why), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
 def _tail(out, n=6000):
@@ -81,3 +97,16 @@ def _tail(out, n=6000):
     if 0 <= i < start:
         start = max(i - 2000, 0)
     return out[start:]
+
+
+def test_inner_skips_counted_per_file_and_reason():
+    """The per-tree run's skip lines reach the outer summary grouped by file and reason."""
+    out = "\n".join([
+        "SKIPPED [1] tests/test_browser.py:330: Debian chromium not found (apt-get install -y chromium, or set CHROMIUM_PATH)",
+        "SKIPPED [3] tests/test_browser.py:330: Debian chromium not found (apt-get install -y chromium, or set CHROMIUM_PATH)",
+        "SKIPPED [2] /abs/tests/test_comfyui.py:12: needs a GPU",
+        "12 passed, 6 skipped in 3.0s",
+    ])
+    assert inner_skips(out) == [
+        (4, "test_browser.py", "Debian chromium not found (apt-get install -y chromium, or set CHROMIUM_PATH)"),
+        (2, "test_comfyui.py", "needs a GPU")]
