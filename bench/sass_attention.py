@@ -1,6 +1,6 @@
 """Static instruction mix of an attention kernel's main loop (no GPU needed).
 
-    python bench/sass_attention.py [--nvdisasm PATH] [--config BF16_MMA|BF16_WGMMA|INT8_WGMMA]
+    python bench/sass_attention.py [--nvdisasm PATH] [--config BF16_MMA|BF16_WGMMA|INT8_WGMMA|INT8_WGMMA_U8S8]
                                    [--per-token] [--dump FILE]
 Compiles an attention kernel (default: the bf16 mma.sync one, ``attention.configs.BF16_MMA``; D=128,
 no mask; INT8_WGMMA with per-block or, ``--per-token``, per-token Q scales) to PTX for sm_90 with
@@ -27,7 +27,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.error = lambda msg: ap.exit(2, f"sass_attention.py: error: {msg}\n")
     ap.add_argument("--nvdisasm", default="nvdisasm")
-    ap.add_argument("--config", default="BF16_MMA", choices=("BF16_MMA", "BF16_WGMMA", "INT8_WGMMA"))
+    ap.add_argument("--config", default="BF16_MMA", choices=("BF16_MMA", "BF16_WGMMA", "INT8_WGMMA", "INT8_WGMMA_U8S8"))
     ap.add_argument("--dump", help="write the main loop's SASS to this file")
     ap.add_argument("--per-token", action="store_true", help="8-bit kernels: per-token Q scales (qk_norm_rope's pack)")
     a = ap.parse_args()
@@ -56,14 +56,14 @@ def main():
         sig = (I32, I32, I32, I32, F32) + (i64,) * 16 + (nt.float64,)
         kern = A.build(cfg, 128, False).kern
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
-    ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.0", ptx, count=1, flags=re.M)
+    ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.4", ptx, count=1, flags=re.M)
     ptx = re.sub(r"^\.target sm_90\b(?!a)", ".target sm_90a", ptx, count=1, flags=re.M)   # wgmma needs sm_90a
     d = tempfile.mkdtemp()
     open(os.path.join(d, "k.ptx"), "w").write(ptx)
     r = subprocess.run([ptxas, "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"], cwd=d, capture_output=True, text=True)
     if r.returncode:
         die(f"sass_attention.py: error: ptxas failed: {' | '.join((r.stderr.strip().splitlines() or ['exit %d' % r.returncode])[:3])[:400]}")
-    print(" ".join(ln.strip() for ln in r.stderr.splitlines() if "Used" in ln))
+    print(" ".join(ln.strip() for ln in r.stderr.splitlines() if "Used" in ln or "spill" in ln))
     r = subprocess.run([nvdisasm, "-c", os.path.join(d, "k.cubin")], capture_output=True, text=True)
     if r.returncode:
         die(f"sass_attention.py: error: nvdisasm failed: {(r.stderr.strip().splitlines() or ['exit %d' % r.returncode])[-1][:200]}")
