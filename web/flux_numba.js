@@ -195,11 +195,12 @@ function redraw(node) {
     const plotW = W - padL - padR, plotH = H - padB - padT - (withGraphs ? 4 : 0);
     const slot = plotW / nSlots;
     const bw = Math.max(1, (slot * 0.85) / series.length);
+    const tickNd = maxMs >= 100 ? 0 : 1;  // one format for the three ticks ("0" / "547" / "1093", "0.0" / "42.5" / "85.0")
     for (const frac of [0, 0.5, 1]) {
       const y = padT + plotH * (1 - frac);
       svg("line", { x1: padL, x2: W - padR, y1: y, y2: y, stroke: "#444", "stroke-width": 0.5 }, chart);
       const t = svg("text", { class: "flux-numba-tick", x: padL - 3, y: y + 3, "text-anchor": "end", "font-size": 9, fill: "#aaa" }, chart);
-      t.textContent = fmt(maxMs * frac, maxMs * frac >= 100 ? 0 : 1);
+      t.textContent = fmt(maxMs * frac, tickNd);
     }
     series.forEach((s, j) => {
       const col = seriesColour(s);
