@@ -33,8 +33,8 @@ replays are serial on one stream.
 
 Capture goes through ``capture_fn(fn) -> graph`` (``graph.replay()``; ``capture_fn.release(graph)``
 drops one); the default is ``capture.capturing`` on a side stream (host syncs raise, thread-local
-capture mode, the garbage collector paused, one ``gc.collect()`` per round of captures instead of
-``torch.cuda.graph``'s one per capture: 57 captures per FLUX forward).  Tests pass a recording
+capture mode, the garbage collector paused, one young-generation collection per round of captures
+instead of ``torch.cuda.graph``'s full one per capture: 57 captures per FLUX forward).  Tests pass a recording
 stand-in that re-runs ``fn`` on replay, which exercises the same buffer and state logic on the CPU.
 """
 from __future__ import annotations

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from ..cuda_kernels import registry
-from .capture import GraphPool, allocator_notes_silenced, capturing, captures_off, no_host_syncs
+from .capture import GraphPool, allocator_notes_silenced, capturing, captures_off, last_gc_seconds, no_host_syncs
 
 log = logging.getLogger("flux_numba")
 
@@ -167,11 +168,13 @@ class GraphedForward:
         s = self._streams.get(dev)
         if s is None:
             s = self._streams[dev] = torch.cuda.Stream()
+        t0 = time.perf_counter()
         with registry.recorded(keep=True) as usage:
             with capturing(self.pool, s) as g:
                 static_out = self.fn(*static_in)
         self.captures += 1
-        log.info("[flux_numba] captured a CUDA graph for input shapes %s", [tuple(x.shape) for x in xs])
+        log.info("[flux_numba] captured a CUDA graph for input shapes %s in %.0f ms (gc %.0f ms)",
+                 [tuple(x.shape) for x in xs], 1e3 * (time.perf_counter() - t0), 1e3 * last_gc_seconds())
         return _Entry(g, static_in, static_out, wk, usage)
 
 

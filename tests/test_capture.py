@@ -170,6 +170,24 @@ def test_failed_end_is_repaired_and_the_handle_retired(monkeypatch):
     assert nxt.pool != keep.pool and ft.comfy_capture_works()
 
 
+def test_one_young_generation_collection_per_round_of_captures(monkeypatch):
+    """Before a capture: one collection of generations 0-1 per round (a full one costs a ComfyUI
+    server's prompt a third of a second: BENCHMARKS.md), none for the captures within the round;
+    a round later, one again.  last_gc_seconds() says what the last capture paid."""
+    FakeTorch(monkeypatch)
+    calls = []
+    monkeypatch.setattr(cap.gc, "collect", lambda *a: calls.append(a) or 0)
+    clock = [100.0]
+    monkeypatch.setattr(cap.time, "monotonic", lambda: clock[0])
+    pool = cap.GraphPool()
+    _capture(pool)
+    _capture(pool)
+    assert calls == [(1,)] and cap.last_gc_seconds() == 0.0
+    clock[0] += cap.GC_ROUND_S + 1
+    _capture(pool)
+    assert calls == [(1,), (1,)]
+
+
 def test_allocator_assert_turns_capturing_off_once_and_keeps_the_allocator_usable(monkeypatch, caplog):
     ft = FakeTorch(monkeypatch, fail_begin_at=2)
     pool = cap.GraphPool()
