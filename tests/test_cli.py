@@ -335,8 +335,8 @@ def _hide_libs(tmp_path):
     return str(w)
 
 
-@pytest.mark.parametrize("cmd", [["bench/ptx_hash_attention.py"], ["bench/gpu_fp8.py", "--ptx-only"],
-                                 ["bench/sass_attention.py", "--nvdisasm", sys.executable]])
+@pytest.mark.parametrize("cmd", [["bench/probes/ptx_hash_attention.py"], ["bench/ops/gpu_fp8.py", "--ptx-only"],
+                                 ["bench/probes/sass_attention.py", "--nvdisasm", sys.executable]])
 @pytest.mark.parametrize("lib", ["nvrtc", "nvvm"])
 def test_ptx_tools_without_nvrtc_or_nvvm_are_one_line(tmp_path, cmd, lib):
     """The README's no-GPU PTX tools on a machine without libnvrtc / libnvvm: one line naming what is
@@ -399,7 +399,7 @@ def test_sanitize_without_compute_sanitizer(tmp_path, san):
 
 def test_gpu_attn_kernels_without_a_gpu():
     """No CUDA GPU (hidden here): one line, exit 2, instead of torch's traceback."""
-    p = run("bench/gpu_attn_kernels.py", env_extra={"CUDA_VISIBLE_DEVICES": "", "FLUX_ATTN_DRYRUN": "0"}, check=False)
+    p = run("bench/ops/gpu_attn_kernels.py", env_extra={"CUDA_VISIBLE_DEVICES": "", "FLUX_ATTN_DRYRUN": "0"}, check=False)
     err = _one_line_exit_2(p, "gpu_attn_kernels.py")
     assert "no CUDA GPU" in err and "FLUX_ATTN_DRYRUN=1" in err and p.stdout == ""
 
@@ -409,13 +409,13 @@ def test_gpu_server_bad_comfy_tree_or_no_gpu(tmp_path):
     written (no random weights, no server started)."""
     weights = tmp_path / "w.safetensors"
     hide = {"CUDA_VISIBLE_DEVICES": ""}
-    p = run("bench/gpu_server.py", "--comfy", "/nonexistent", "--weights", str(weights), env_extra=hide, check=False)
+    p = run("bench/e2e/gpu_server.py", "--comfy", "/nonexistent", "--weights", str(weights), env_extra=hide, check=False)
     err = _one_line_exit_2(p, "gpu_server.py")
     assert "--comfy" in err and "no ComfyUI tree at '/nonexistent'" in err and "no main.py" in err
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / "main.py").write_text("")
-    p = run("bench/gpu_server.py", "--comfy", str(tree), "--weights", str(weights), env_extra=hide, check=False)
+    p = run("bench/e2e/gpu_server.py", "--comfy", str(tree), "--weights", str(weights), env_extra=hide, check=False)
     err = _one_line_exit_2(p, "gpu_server.py")
     assert "no CUDA GPU" in err and str(weights) in err
     assert not weights.exists() and p.stdout == ""
@@ -559,12 +559,12 @@ def test_file_progress_lines(tmp_path):
 
 
 @pytest.mark.parametrize("script,args,want", [
-    ("bench/gpu_server.py", ["--comfy", "{tree}", "--json", "/proc/x"], "argument --json: cannot write /proc/x"),
-    ("bench/gpu_server.py", ["--comfy", "{tree}", "--logs", "/proc/x/logs"], "argument --logs: cannot create folder /proc/x/logs"),
-    ("bench/gpu_server.py", ["--comfy", "{tree}", "--profile", "{file}"], "argument --profile: {file} exists and is not a folder"),
-    ("bench/gpu_jit.py", ["--json", "/proc/x"], "argument --json: cannot write /proc/x"),
-    ("bench/gpu_fallback_cost.py", ["--comfy", "/nonexistent"], "argument --comfy: no ComfyUI tree at '/nonexistent'"),
-    ("bench/gpu_fallback_cost.py", ["--comfy", "{tree}"], "no CUDA GPU"),
+    ("bench/e2e/gpu_server.py", ["--comfy", "{tree}", "--json", "/proc/x"], "argument --json: cannot write /proc/x"),
+    ("bench/e2e/gpu_server.py", ["--comfy", "{tree}", "--logs", "/proc/x/logs"], "argument --logs: cannot create folder /proc/x/logs"),
+    ("bench/e2e/gpu_server.py", ["--comfy", "{tree}", "--profile", "{file}"], "argument --profile: {file} exists and is not a folder"),
+    ("bench/ops/gpu_jit.py", ["--json", "/proc/x"], "argument --json: cannot write /proc/x"),
+    ("bench/e2e/gpu_fallback_cost.py", ["--comfy", "/nonexistent"], "argument --comfy: no ComfyUI tree at '/nonexistent'"),
+    ("bench/e2e/gpu_fallback_cost.py", ["--comfy", "{tree}"], "no CUDA GPU"),
 ])
 def test_bench_tools_check_outputs_and_inputs_first(tmp_path, script, args, want):
     """The GPU tools' output paths and --comfy trees are checked before any work (one line, exit 2,

@@ -1,9 +1,9 @@
 """Sustained tensor-core throughput the pack reaches from Numba (what bounds an mma.sync conv), H200.
 
-    python bench/gpu_mma_peak.py                 # GPU, < 1 min; table last, JSON to $OUT/gpu_mma_peak.json
-    python bench/gpu_mma_peak.py --mma 2x8/256 --wgmma n256g4/128 --iters 4096
-    NUMBA_ENABLE_CUDASIM=1 python bench/gpu_mma_peak.py --sim    # CPU simulator, tiny: the kernels run
-    python bench/gpu_mma_peak.py --ptx           # no GPU: PTX for sm_90a + ptxas -v (registers, spills)
+    python bench/probes/gpu_mma_peak.py                 # GPU, < 1 min; table last, JSON to $OUT/gpu_mma_peak.json
+    python bench/probes/gpu_mma_peak.py --mma 2x8/256 --wgmma n256g4/128 --iters 4096
+    NUMBA_ENABLE_CUDASIM=1 python bench/probes/gpu_mma_peak.py --sim    # CPU simulator, tiny: the kernels run
+    python bench/probes/gpu_mma_peak.py --ptx           # no GPU: PTX for sm_90a + ptxas -v (registers, spills)
 
 Kernels (the pack's helpers, cuda_kernels/mma.py; bf16 operands, fp32 accumulators):
   mma.sync  m16n8k16 with every operand in registers: each warp holds an MT x NT grid of
@@ -42,7 +42,7 @@ elif PTX:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 else:
     os.environ.setdefault("FLUX_NUMBA_REAL_GPU", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import _pack  # noqa: E402
 
 _pack.load()   # numpy 2.5 compat (numpy.row_stack = numpy.vstack) before numba-cuda is imported
-if PTX:        # compile for sm_90 without a GPU (as bench/ptx_hash_attention.py does)
+if PTX:        # compile for sm_90 without a GPU (as bench/probes/ptx_hash_attention.py does)
     import types as _types
     import numba.cuda.dispatcher as _disp
     _disp.get_current_device = lambda: _types.SimpleNamespace(compute_capability=(9, 0))

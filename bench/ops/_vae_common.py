@@ -7,14 +7,15 @@ import sys
 import time
 
 os.environ.setdefault("FLUX_NUMBA_REAL_GPU", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: timing.py
+ROOT = os.path.dirname(BENCH)  # the repo root
+sys.path[:0] = [ROOT, BENCH]
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import _pack  # noqa: E402
-import timing  # noqa: E402  (bench/timing.py, beside this module)
+import timing  # noqa: E402  (bench/timing.py)
 
 _pack.load()
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402

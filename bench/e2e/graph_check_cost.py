@@ -1,6 +1,6 @@
 """Host cost of the per-call CUDA-graph safety check on FLUX.1-dev's module tree (CPU only).
 
-    COMFYUI_PATH=.carry/ComfyUI-0.8.0 python bench/graph_check_cost.py
+    COMFYUI_PATH=.carry/ComfyUI-0.8.0 python bench/e2e/graph_check_cost.py
 
 Builds ComfyUI's ``Flux`` with FLUX.1-dev's depth (19 double + 38 single blocks: 581 modules that own
 parameters, 780 parameters) at tiny widths -- the walk's cost depends on the tree, not on the tensor
@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.abspath(os.environ.get("COMFYUI_PATH", os.path.join(ROOT, ".carry", "ComfyUI"))))
 

@@ -1,13 +1,13 @@
 """GPU check: linear_gelu (cuBLASLt bias+GELU epilogue) vs Linear then GELU, at FLUX shapes.
 
-    python bench/gpu_core.py
+    python bench/ops/gpu_core.py
 Checks the epilogue is the tanh GELU, that writing into a row-strided slice of linear2's input
 buffer is correct, and times both (CUDA events, median of 30) with the bytes the GELU pass saves.
 """
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, ROOT)
 import _pack  # noqa: E402
 
