@@ -28,7 +28,6 @@ from flux_numba_pack.cuda_kernels import groupnorm_silu as gn  # noqa: E402
 from flux_numba_pack.cuda_kernels import groupnorm_silu_nhwc as gnh  # noqa: E402
 from flux_numba_pack.cuda_kernels import upsample_nearest2x as up2  # noqa: E402
 from flux_numba_pack.cuda_kernels import bias_residual_nhwc as brn  # noqa: E402
-from flux_numba_pack.flux_core import harness  # noqa: E402
 
 T0 = time.time()
 DEV = "cuda"
@@ -45,8 +44,8 @@ def note(name, **kw):
 
 
 def median_ms(fn, warm=3, rep=25):
-    """One call between CUDA events, median (flux_core.harness)."""
-    return harness.median_ms(fn, DEV, warm, rep)
+    """One call between CUDA events, synchronized around each, median (``timing.median_ms``)."""
+    return timing.median_ms(fn, reps=rep, warm=warm, sync_each=True)
 
 
 def device_ms(fn, reps=10, trials=3):
