@@ -20,7 +20,7 @@ import os
 import time
 import traceback
 
-import _attn_common as AC  # bench/: this script's folder
+import _attn_common as AC  # bench/ops/: this script's folder
 
 DRY = AC.script_env()
 

@@ -24,7 +24,7 @@ import math
 import time
 import traceback
 
-import _attn_common as AC  # bench/: this script's folder
+import _attn_common as AC  # bench/ops/: this script's folder
 
 DRY = AC.script_env("FLUX_ATTN8_DRYRUN")
 

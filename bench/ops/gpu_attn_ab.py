@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 
-import _attn_common as AC  # bench/: this script's folder
+import _attn_common as AC  # bench/ops/: this script's folder
 
 DRY = AC.script_env()
 

@@ -73,7 +73,7 @@ def note(name, **kw):
 
 
 if PTX_ONLY:
-    from _fp8_ptx import ptx_report  # noqa: E402  (bench/, beside this script)
+    from _fp8_ptx import ptx_report  # noqa: E402  (bench/ops/, beside this script)
     n_failed = ptx_report(note)
     if n_failed:
         print(f"gpu_fp8.py: error: {n_failed} of the kernels did not compile (see above)", file=sys.stderr)
