@@ -41,7 +41,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(ROOT, "bench"))  # bench.py's parts (and gpu_vae for --vae)
+# bench.py's parts (bench/e2e), gpu_vae for --vae (bench/ops) and the shared timing helper (bench/)
+sys.path[:0] = [os.path.join(ROOT, "bench", "e2e"), os.path.join(ROOT, "bench", "ops"), os.path.join(ROOT, "bench")]
 from _bench_setup import _avail_ram, _has_kitchen, _wait_for_kernel_build, find_comfy, parse  # noqa: E402
 from _bench_diag import ClockLog, host_profile, memory_at_peak, profile_forward  # noqa: E402
 
@@ -361,8 +362,7 @@ def main():
 
     if a.vae:
         try:
-            sys.path.insert(0, os.path.join(ROOT, "bench"))
-            import gpu_vae
+            import gpu_vae  # bench/ops/gpu_vae.py (bench/ops is on sys.path)
             gpu_vae.run_decoder()
             results["vae-decode"] = gpu_vae.results.get("decoder 1024^2 bf16 nhwc", {})
         except Exception as e:

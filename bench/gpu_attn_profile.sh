@@ -13,7 +13,7 @@ SANB=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; echo "ncu: $NCUB"; echo "sanitizer: $SANB"; } > "$R/tools.txt" 2>&1
 if [ -n "${AB:-}" ]; then
   t0=$(date +%s)
-  timeout ${AB_T:-240} python3 bench/gpu_attn_ab.py $AB --rounds ${ROUNDS:-5} ${AB_ARGS:-} > "$R/ab.txt" 2>&1
+  timeout ${AB_T:-240} python3 bench/ops/gpu_attn_ab.py $AB --rounds ${ROUNDS:-5} ${AB_ARGS:-} > "$R/ab.txt" 2>&1
   echo "ab rc=$? $(( $(date +%s) - t0 )) s" >> "$R/parts.txt"; pack
 fi
 if [ -n "${PYTEST_K:-}" ]; then   # correctness on the GPU first (tests/test_attention*.py -k PYTEST_K)
@@ -25,7 +25,7 @@ for v in ${NCU:-}; do   # LABEL (a tree of AB) -> full section set of one warm l
   t0=$(date +%s); path=$(tr ' ' '\n' <<< "$AB" | sed -n "s/^$v=//p")
   timeout ${NCU_T:-200} "$NCUB" --clock-control none --kernel-name-base mangled --kernel-name regex:int8_wgmma \
     --launch-skip 2 --launch-count 1 --set full --import-source no -f -o "$R/ncu_$v" \
-    python3 bench/gpu_attn_ab.py "$v=$path" --profile "$v" > "$R/ncu_run_$v.txt" 2>&1
+    python3 bench/ops/gpu_attn_ab.py "$v=$path" --profile "$v" > "$R/ncu_run_$v.txt" 2>&1
   echo "ncu $v rc=$? $(( $(date +%s) - t0 )) s" >> "$R/parts.txt"
   "$NCUB" --import "$R/ncu_$v.ncu-rep" --page details --print-details all > "$R/ncu_details_$v.txt" 2>&1
   "$NCUB" --import "$R/ncu_$v.ncu-rep" --page raw --csv > "$R/ncu_raw_$v.csv" 2>&1

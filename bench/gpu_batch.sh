@@ -11,12 +11,12 @@
 #   bench                   bench.py step times (v0.8.0's Flux module) for every variant of VARIANTS
 #                           (BENCH_ENV: NAME=value words for its environment, e.g. NUMBA_CACHE_DIR=/tmp/empty
 #                           to time a first run after an install)
-#   vae                     bench/gpu_vae.py --decoder-only (v0.8.0 and v0.33.0)
+#   vae                     bench/ops/gpu_vae.py --decoder-only (v0.8.0 and v0.33.0)
 #   servers                 one server per SERVERS entry (TAG|TREE|FLAGS|CASES|REPEAT|EXTRA ARGS;...; @R@ in
 #                           EXTRA ARGS is this call's result folder, e.g. --profile @R@/prof_x)
-#   h2d                     bench/gpu_h2d.py (host-to-device copy bandwidth: pinned, pageable, registered)
-#   launch                  bench/gpu_launch_cost.py (host us per kernel launch by route)
-#   attn                    bench/gpu_attn_kernels.py (attention kernels at [1,24,4608,128])
+#   h2d                     bench/ops/gpu_h2d.py (host-to-device copy bandwidth: pinned, pageable, registered)
+#   launch                  bench/ops/gpu_launch_cost.py (host us per kernel launch by route)
+#   attn                    bench/ops/gpu_attn_kernels.py (attention kernels at [1,24,4608,128])
 #   pytest                  tests on the GPU (PYTEST_ARGS files / options, PYTEST_K a -k expression)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -24,7 +24,7 @@ OUT=${OUT:-/tmp/out}
 R=$OUT/r; mkdir -p "$R"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > "$R/gpu.txt" 2>&1
 nproc >> "$R/gpu.txt"
-S="python3 bench/gpu_server.py --steps 28 --res 1024 --prompt-timeout 150"
+S="python3 bench/e2e/gpu_server.py --steps 28 --res 1024 --prompt-timeout 150"
 for part in ${PARTS:-server033 bench vae}; do
   t0=$(date +%s)
   case $part in
@@ -56,20 +56,20 @@ for part in ${PARTS:-server033 bench vae}; do
         tar -czf "$OUT/results.tgz" -C "$OUT" r setup.txt
       done;;
     h2d)
-      timeout ${H2D_T:-60} python3 bench/gpu_h2d.py > "$R/h2d.txt" 2>&1;;
+      timeout ${H2D_T:-60} python3 bench/ops/gpu_h2d.py > "$R/h2d.txt" 2>&1;;
     launch)
-      timeout ${LAUNCH_T:-60} python3 bench/gpu_launch_cost.py --n ${LAUNCH_N:-20000} > "$R/launch.txt" 2>&1;;
+      timeout ${LAUNCH_T:-60} python3 bench/ops/gpu_launch_cost.py --n ${LAUNCH_N:-20000} > "$R/launch.txt" 2>&1;;
     bench)
       env ${BENCH_ENV:-} COMFYUI_PATH=$COMFY080 timeout ${BENCH_T:-220} python3 bench.py \
         --variants ${VARIANTS:-stock,exact,exact+graph,fast,fast+graph,fast-cached,fast-cached+graph,attn8} \
         --reps 5 ${BENCH_ARGS:-} --json "$R/bench.json" > "$R/bench.txt" 2>&1;;
-    attn)     # the attention kernels at the FLUX shape (bench/gpu_attn_kernels.py)
-      OUT=$R timeout ${ATTN_T:-200} python3 bench/gpu_attn_kernels.py > "$R/attn.txt" 2>&1;;
+    attn)     # the attention kernels at the FLUX shape (bench/ops/gpu_attn_kernels.py)
+      OUT=$R timeout ${ATTN_T:-200} python3 bench/ops/gpu_attn_kernels.py > "$R/attn.txt" 2>&1;;
     pytest)   # GPU runs of tests (PYTEST_ARGS: files / options without spaces inside one; PYTEST_K: a -k expression)
       FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=$COMFY080 timeout ${PYTEST_T:-300} python3 -m pytest -q -x ${PYTEST_ARGS:-tests/test_attention.py tests/test_attention_numba.py tests/test_attention_mma.py} ${PYTEST_K:+-k "$PYTEST_K"} \
         > "$R/pytest.txt" 2>&1;;
     vae)
-      FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=$COMFY080 timeout ${VAE_T:-100} python3 bench/gpu_vae.py --decoder-only > "$R/vae080.txt" 2>&1;;
+      FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=$COMFY080 timeout ${VAE_T:-100} python3 bench/ops/gpu_vae.py --decoder-only > "$R/vae080.txt" 2>&1;;
     *) echo "unknown part $part" > "$R/$part.txt";;
   esac
   echo "$part rc=$? $(( $(date +%s) - t0 )) s" >> "$R/parts.txt"

@@ -13,7 +13,8 @@
   events (no sync in between, as a sampler runs its steps);
 * ``wall_ms`` -- wall-clock ms of one synchronized call, median.
 
-bench.py (repo root) and every script under bench/ import this module (bench/ on sys.path).
+bench.py (repo root) and the drivers under bench/e2e, bench/ops and bench/probes import this module;
+each puts bench/ on sys.path first (this file's folder, the parent of its own).
 """
 import statistics
 import time

@@ -50,7 +50,7 @@ Why the previous version was slow, and predictions for this one (H200):
     ``PTXAS`` below -> 64-96 KB per SM.  Caveat: the old per-shape table timed ONE call between
     events, i.e. mostly host latency; its profiler total (3.2 ms of GroupNorm kernels for
     10.5 GB in the decoder, ~3.3 TB/s) says the old kernels were already near 85% of copy on
-    the big shapes.  Prediction (device time, bench/gpu_vae.py "dev ms"): stats ~3.4 TB/s,
+    the big shapes.  Prediction (device time, bench/ops/gpu_vae.py "dev ms"): stats ~3.4 TB/s,
     normalize ~3.3 TB/s: 128x1024^2 and 512x512^2 ~0.24-0.26 ms (85-92% of copy), 256x1024^2
     ~0.48-0.50 ms, 512x256^2 ~0.06-0.07 ms, 512x128^2 ~0.015-0.02 ms (L2-resident second
     read), odd 2x128x97x131 (element path) ~0.02-0.03 ms.  Host ~40-60 us/call.

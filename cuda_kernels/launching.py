@@ -314,7 +314,7 @@ if SIMULATOR and NUMBA_OK:
 # Prepared launches (GPU): each (kernel, argument pattern) packs its parameters into one preallocated
 # buffer with a precompiled ``struct`` layout and calls ``cuLaunchKernel`` (cuda.bindings) with a fixed
 # ``void**`` array -- no per-launch argument objects.  Benchmarks compare it with cuda.core's launch by
-# setting ``PREPARED`` (bench/gpu_launch_cost.py).
+# setting ``PREPARED`` (bench/ops/gpu_launch_cost.py).
 PREPARED = True
 _DRV = None
 _get_ident = _threading.get_ident

@@ -37,7 +37,7 @@ from the packed x words (shift/scale read again: L1/L2 hits) and writes y * 448/
 one 8-byte word per 16-byte input pair.  ptxas 13.0 sm_90: 93 registers one-row / 96 pipelined
 (bf16: 59 / 76), so the pipelined grid takes the blocks per SM from the occupancy API instead of
 assuming 8.  Bytes: read x + write q = 3*L*C (+ 4 B/row): img 37.8 MB -> 10.2 us floor,
-txt 4.7 MB -> 1.3 us, single 42.5 MB -> 11.5 us.  Not yet timed on a GPU (bench/gpu_fp8.py).
+txt 4.7 MB -> 1.3 us, single 42.5 MB -> 11.5 us.  Not yet timed on a GPU (bench/ops/gpu_fp8.py).
 """
 import functools
 

@@ -7,7 +7,7 @@ city96/ComfyUI-GGUF) -- and the ``gguf`` package; they skip with the reason othe
 
     COMFYUI_PATH=.carry/ComfyUI-0.33.0 /work/venv-comfy/bin/python -m pytest -q tests/test_comfyui_quant.py
 
-fp8 scaled: the file bench/_server_quant.py writes for the server benchmark (block weights e4m3 with a
+fp8 scaled: the file bench/e2e/_server_quant.py writes for the server benchmark (block weights e4m3 with a
 ``scale_weight`` each and the ``scaled_fp8`` marker), loaded by ComfyUI's own ``load_diffusion_model``
 (v0.33 turns it into ``comfy_quant`` layers); exact equals stock, the fast profile takes the stored
 e4m3 weights as they are.
@@ -50,7 +50,7 @@ comfy = tc.comfy
 
 
 def _server_quant():
-    spec = importlib.util.spec_from_file_location("_bench_server_quant", os.path.join(ROOT, "bench", "_server_quant.py"))
+    spec = importlib.util.spec_from_file_location("_bench_server_quant", os.path.join(ROOT, "bench", "e2e", "_server_quant.py"))
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
     return m

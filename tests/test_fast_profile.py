@@ -3,7 +3,7 @@
 On the CPU the quantising ops run their torch references and torch's CPU ``_scaled_mm`` does the
 GEMMs, so this checks the wiring and the weight cache, not speed: the fp8 forward stays within
 fp8 error of the bf16-exact one, every block GEMM went through fp8, and a changed weight is
-re-quantised alone.  GPU: bench.py's ``fast`` variant, bench/gpu_fp8.py."""
+re-quantised alone.  GPU: bench.py's ``fast`` variant, bench/ops/gpu_fp8.py."""
 import contextlib
 
 import pytest

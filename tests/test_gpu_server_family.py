@@ -1,4 +1,4 @@
-"""bench/gpu_server.py's FLUX.1 family cases (_schnell, _kontext, _fill, _redux, _cn), without a server:
+"""bench/e2e/gpu_server.py's FLUX.1 family cases (_schnell, _kontext, _fill, _redux, _cn), without a server:
 the API prompts graph() builds (node classes, wiring, steps, file names), the case grammar and its
 one-line refusal, the stock partner each case's PSNR is taken against, and the family members'
 weight files made from a tiny --weights (names, dtypes, shapes ComfyUI detects them by)."""
@@ -16,7 +16,7 @@ UNET, VAE = "flux1_dev_random.safetensors", "flux_vae_random.safetensors"
 
 @pytest.fixture(scope="module")
 def gs():
-    spec = importlib.util.spec_from_file_location("_bench_gpu_server", os.path.join(ROOT, "bench", "gpu_server.py"))
+    spec = importlib.util.spec_from_file_location("_bench_gpu_server", os.path.join(ROOT, "bench", "e2e", "gpu_server.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -142,7 +142,7 @@ def test_unknown_suffix_is_refused_with_one_line(tmp_path):
     tree.mkdir()
     (tree / "main.py").write_text("")
     w = tmp_path / "w.safetensors"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_server.py"), "--comfy", str(tree),
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e", "gpu_server.py"), "--comfy", str(tree),
                         "--weights", str(w), "--cases", "stock_schnell,patched_schnel"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     err = p.stderr.strip()
@@ -258,7 +258,7 @@ def test_interleave_groups_cases_by_checkpoint(gs):
 
 
 def test_quantised_checkpoint_cases(gs):
-    """_fp8s / _gguf: the quantised files of --weights (bench/_server_quant.py) -- UNETLoader of the
+    """_fp8s / _gguf: the quantised files of --weights (bench/e2e/_server_quant.py) -- UNETLoader of the
     fp8-scaled file (weight_dtype default), ComfyUI-GGUF's UnetLoaderGGUF of the Q8_0 file; their own
     stock partner and checkpoint group; refused with _fp8 or a member with a file of its own."""
     g = build(gs, "patched_fast_cached_fp8s")
@@ -291,7 +291,7 @@ def test_gguf_cases_need_the_pack(tmp_path):
     tree.mkdir()
     (tree / "main.py").write_text("")
     (tmp_path / "w.safetensors").write_bytes(b"")  # present: nothing to generate on a GPU
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_server.py"), "--comfy", str(tree),
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e", "gpu_server.py"), "--comfy", str(tree),
                         "--cases", "stock_gguf", "--gguf-pack", str(tmp_path / "none"), "--flags=--cpu",
                         "--weights", str(tmp_path / "w.safetensors")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr

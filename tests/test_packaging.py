@@ -11,7 +11,7 @@ except ImportError:  # Python 3.10
     tomllib = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED = ["__init__.py", "_pack.py", "run.py", "bench.py", "bench/_bench_setup.py", "bench/_bench_diag.py",
+SHIPPED = ["__init__.py", "_pack.py", "run.py", "bench.py", "bench/e2e/_bench_setup.py", "bench/e2e/_bench_diag.py",
            "bench/timing.py", "nodes", "cuda_kernels", "flux_core"]
 
 # import name -> the distribution that provides it (as named in requirements.txt)

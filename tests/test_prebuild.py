@@ -217,7 +217,7 @@ for la in (LM._launcher(4, 0, 2, 0), LM._launcher(4, 1, 2, 0), GR._launcher("gr"
 def test_cache_key_is_the_same_in_every_process():
     """numba pickles a kernel's closure into its on-disk cache key; a device function captured there
     pickled differently per process, so the LayerNorm row kernels never hit the cache after a restart
-    (found by bench/gpu_jit.py's restart run).  The key's closure must not depend on the process."""
+    (found by bench/ops/gpu_jit.py's restart run).  The key's closure must not depend on the process."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_VISIBLE_DEVICES="")
     outs = []
     for _ in range(2):

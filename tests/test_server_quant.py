@@ -1,4 +1,4 @@
-"""bench/_server_quant.py: the quantised checkpoints the server benchmark makes from a bf16 file.
+"""bench/e2e/_server_quant.py: the quantised checkpoints the server benchmark makes from a bf16 file.
 
 * Q8_0 blocks made with torch are byte for byte gguf-py's own quantiser (skipped without gguf);
 * the GGUF file reads back with gguf-py's reader as ComfyUI-GGUF's convert.py would write it (arch
@@ -17,7 +17,7 @@ HAVE_GGUF = importlib.util.find_spec("gguf") is not None
 
 
 def _sq():
-    spec = importlib.util.spec_from_file_location("_bench_server_quant", os.path.join(ROOT, "bench", "_server_quant.py"))
+    spec = importlib.util.spec_from_file_location("_bench_server_quant", os.path.join(ROOT, "bench", "e2e", "_server_quant.py"))
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
     return m

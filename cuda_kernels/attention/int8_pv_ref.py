@@ -30,7 +30,7 @@ Steps ([B, H, L, D]; D = 128 on the GPU), per query row:
 
 Design decisions (measured: tests/test_int8_pv_ref.py; [1, 2, 4608, 128], 2 seeds, vs fp32 attention):
   * P scale per (row, 64-key group) = the group's own max -> 255, not a static x 255: every group
-    uses its 8 bits however far below the running max it sits (bench/attn8_pv_error.py: 1.65-1.70%
+    uses its 8 bits however far below the running max it sits (bench/probes/attn8_pv_error.py: 1.65-1.70%
     per 128-key tile vs 2.14-2.19% static; this reference: 1.61-1.66% with 64-key groups, 1.66-1.71%
     with 128).  No extra cost: mt is the max the kernel computes for the running max anyway, and
     exp2(x - mt) is the same one-FFMA argument.  A static 255 would also break with tau > 0 (P <= 2^tau).

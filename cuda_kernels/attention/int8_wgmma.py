@@ -13,7 +13,7 @@ from .softmax import _make_softmax
 from .tile_kv import _make_ring
 
 
-# Measured choices ([1,24,4608,128], kernel alone, bench/gpu_attn_ab.py: every variant in one process,
+# Measured choices ([1,24,4608,128], kernel alone, bench/ops/gpu_attn_ab.py: every variant in one process,
 # interleaved rounds; numbers in BENCHMARKS.md "Attention"):
 #   the loop's ring bookkeeping on incremented 32-bit counters (no int64 division / modulo): ~9% faster
 #   ONES + TAU + BIASACC: neutral alone and together, but the polynomial exp2 share gains on top of them

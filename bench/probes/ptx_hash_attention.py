@@ -1,6 +1,6 @@
 """sha256 of the PTX of each kept attention kernel, compiled for sm_90 without a GPU.
 
-    python bench/ptx_hash_attention.py [--root TREE]
+    python bench/probes/ptx_hash_attention.py [--root TREE]
 
 TREE (default: this checkout) is a copy of the pack, e.g. ``git archive attention-variants-pre-retire``
 unpacked elsewhere: the hashes of two trees show whether a refactor changed the generated code.
@@ -140,7 +140,7 @@ def ptxas_info(ptx):
 def main():
     ap = argparse.ArgumentParser()
     ap.error = lambda msg: ap.exit(2, f"ptx_hash_attention.py: error: {msg}\n")
-    ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     ap.add_argument("--only", default="", help="regex of kernel names")
     ap.add_argument("--dump", default="", help="folder to write each kernel's PTX to")
     ap.add_argument("--ptxas", action="store_true",

@@ -14,7 +14,7 @@ time per launch is the host cost.  Routes:
   torch       ``torch.add(x, y, out=z)`` on the same small tensors (a torch op's host cost, for scale)
 Each route's result is checked against the torch reference first.
 
-    python bench/gpu_launch_cost.py [--n 20000]
+    python bench/ops/gpu_launch_cost.py [--n 20000]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import struct
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 
 def make_kernel():

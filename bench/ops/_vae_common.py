@@ -7,14 +7,15 @@ import sys
 import time
 
 os.environ.setdefault("FLUX_NUMBA_REAL_GPU", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: timing.py
+ROOT = os.path.dirname(BENCH)  # the repo root
+sys.path[:0] = [ROOT, BENCH]
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import _pack  # noqa: E402
-import timing  # noqa: E402  (bench/timing.py, beside this module)
+import timing  # noqa: E402  (bench/timing.py)
 
 _pack.load()
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
@@ -27,7 +28,6 @@ from flux_numba_pack.cuda_kernels import groupnorm_silu as gn  # noqa: E402
 from flux_numba_pack.cuda_kernels import groupnorm_silu_nhwc as gnh  # noqa: E402
 from flux_numba_pack.cuda_kernels import upsample_nearest2x as up2  # noqa: E402
 from flux_numba_pack.cuda_kernels import bias_residual_nhwc as brn  # noqa: E402
-from flux_numba_pack.flux_core import harness  # noqa: E402
 
 T0 = time.time()
 DEV = "cuda"
@@ -44,8 +44,8 @@ def note(name, **kw):
 
 
 def median_ms(fn, warm=3, rep=25):
-    """One call between CUDA events, median (flux_core.harness)."""
-    return harness.median_ms(fn, DEV, warm, rep)
+    """One call between CUDA events, synchronized around each, median (``timing.median_ms``)."""
+    return timing.median_ms(fn, reps=rep, warm=warm, sync_each=True)
 
 
 def device_ms(fn, reps=10, trials=3):

@@ -1,21 +1,22 @@
 """GPU check: linear_gelu (cuBLASLt bias+GELU epilogue) vs Linear then GELU, at FLUX shapes.
 
-    python bench/gpu_core.py
+    python bench/ops/gpu_core.py
 Checks the epilogue is the tanh GELU, that writing into a row-strided slice of linear2's input
 buffer is correct, and times both (CUDA events, median of 30) with the bytes the GELU pass saves.
 """
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: timing.py
+ROOT = os.path.dirname(BENCH)  # the repo root
+sys.path[:0] = [ROOT, BENCH]
 import _pack  # noqa: E402
 
 _pack.load()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from flux_numba_pack.cuda_kernels import linear_gelu  # noqa: E402
-from flux_numba_pack.flux_core.harness import median_ms  # noqa: E402
+import timing  # noqa: E402  (bench/timing.py)
 
 
 def main():
@@ -40,7 +41,7 @@ def main():
             assert torch.isnan(buf[..., :C]).all(), "wrote outside its slice"
         e_st = ((stock().float() - ref).norm() / ref.norm()).item()
         e_our = ((got.float() - ref).norm() / ref.norm()).item()
-        ts, to = median_ms(stock, dev, 3, 30), median_ms(ours, dev, 3, 30)
+        ts, to = (timing.median_ms(f, reps=30, warm=3, sync_each=True) for f in (stock, ours))
         saved = 2 * L * N * 2 / 1e9
         rows.append((name, e_st, e_our, ts, to, saved))
     print(f"\n{'shape':<26} {'err stock':>10} {'err ours':>10} {'stock ms':>9} {'ours ms':>9} {'GB saved':>9}")

@@ -1,7 +1,7 @@
 """Time and check the kept attention kernels at the FLUX shape (run on the H200 from the repo root).
 
-    python bench/gpu_attn_kernels.py                     # [1,24,4608,128], < 2 min
-    FLUX_ATTN_DRYRUN=1 python bench/gpu_attn_kernels.py  # CPU simulator smoke test (tiny shape)
+    python bench/ops/gpu_attn_kernels.py                     # [1,24,4608,128], < 2 min
+    FLUX_ATTN_DRYRUN=1 python bench/ops/gpu_attn_kernels.py  # CPU simulator smoke test (tiny shape)
 
 Every kernel is passed its config explicitly (``attention.configs``): the two bf16 kernels (mma,
 wgmma) and the two 8-bit kernels (mma, wgmma), each alone (inputs prepared outside the timing:
@@ -16,7 +16,7 @@ BENCHMARKS.md): bf16 wgmma op 0.61-0.62 ms, 8-bit wgmma op 0.65 (pack-fed 0.61),
 import sys
 import traceback
 
-import _attn_common as AC  # bench/: this script's folder
+import _attn_common as AC  # bench/ops/: this script's folder
 
 DRY = AC.script_env()
 

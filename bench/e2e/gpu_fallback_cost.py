@@ -2,19 +2,19 @@
 """What a patched model costs when the pack's path has turned itself off (GPU, one process).
 
 Loads FLUX.1-dev through ComfyUI's own loader (random full-size weights, e.g. the file
-bench/gpu_server.py writes), then times one diffusion-model forward at 1024^2 (CUDA events,
+bench/e2e/gpu_server.py writes), then times one diffusion-model forward at 1024^2 (CUDA events,
 warm-up, median): stock; FluxNumbaPatch (exact) working; and FluxNumbaPatch after a failure in the
 pack's block code turned it off for that input (the block functions are replaced by one that
 raises, as a kernel error would).  Bar (issue: host compatibility): off <= 1.02x stock.
 
-    python bench/gpu_fallback_cost.py --comfy /tmp/trees/ComfyUI-0.8.0 --weights /dev/shm/flux1_dev_random.safetensors
+    python bench/e2e/gpu_fallback_cost.py --comfy /tmp/trees/ComfyUI-0.8.0 --weights /dev/shm/flux1_dev_random.safetensors
 """
 import argparse
 import os
 import statistics
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 
 def main():
@@ -35,7 +35,7 @@ def main():
         p.exit(2, "gpu_fallback_cost.py: error: no CUDA GPU (torch sees none): it times forwards on the GPU\n")
     if not os.path.isfile(a.weights):
         p.exit(2, f"gpu_fallback_cost.py: error: argument --weights: no file {a.weights!r} "
-                  "(bench/gpu_server.py writes random FLUX.1-dev weights there)\n")
+                  "(bench/e2e/gpu_server.py writes random FLUX.1-dev weights there)\n")
     sys.argv = [sys.argv[0]]
     sys.path.insert(0, a.comfy)
     os.chdir(a.comfy)

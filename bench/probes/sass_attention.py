@@ -1,6 +1,6 @@
 """Static instruction mix of an attention kernel's main loop (no GPU needed).
 
-    python bench/sass_attention.py [--nvdisasm PATH] [--config BF16_MMA|BF16_WGMMA|INT8_WGMMA|INT8_WGMMA_U8S8]
+    python bench/probes/sass_attention.py [--nvdisasm PATH] [--config BF16_MMA|BF16_WGMMA|INT8_WGMMA|INT8_WGMMA_U8S8]
                                    [--per-token] [--dump FILE]
 Compiles an attention kernel (default: the bf16 mma.sync one, ``attention.configs.BF16_MMA``; D=128,
 no mask; INT8_WGMMA with per-block or, ``--per-token``, per-token Q scales) to PTX for sm_90 with
@@ -19,7 +19,7 @@ import tempfile
 import types
 
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, ROOT)
 
 

@@ -1,8 +1,8 @@
 """A/B timing of the 8-bit wgmma attention kernel across source trees, in one process (H200).
 
-    python bench/gpu_attn_ab.py new=cuda_kernels old=.gpu/old/cuda_kernels [--rounds 5]
-    python bench/gpu_attn_ab.py new=cuda_kernels --profile new     # one warm launch, for ncu
-    FLUX_ATTN_DRYRUN=1 python bench/gpu_attn_ab.py new=cuda_kernels  # CPU simulator smoke test
+    python bench/ops/gpu_attn_ab.py new=cuda_kernels old=.gpu/old/cuda_kernels [--rounds 5]
+    python bench/ops/gpu_attn_ab.py new=cuda_kernels --profile new     # one warm launch, for ncu
+    FLUX_ATTN_DRYRUN=1 python bench/ops/gpu_attn_ab.py new=cuda_kernels  # CPU simulator smoke test
 
 Each LABEL=PATH names a ``cuda_kernels`` folder (this repo's, or an older commit's exported with
 ``git archive COMMIT cuda_kernels | tar -x -C .gpu/old``); each is imported as its own package, so
@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 
-import _attn_common as AC  # bench/: this script's folder
+import _attn_common as AC  # bench/ops/: this script's folder
 
 DRY = AC.script_env()
 

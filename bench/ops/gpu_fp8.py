@@ -1,9 +1,9 @@
 """GPU check + timing of the fast profile's fp8 pieces (issue #13), run from the repo root:
 
-    python bench/gpu_fp8.py             # H200 (sm_89+), ~2 min; JSON to $OUT/gpu_fp8.json if OUT is set
-    python bench/gpu_fp8.py --sim       # CPU dry run of the whole flow: Numba simulator, tiny shapes,
+    python bench/ops/gpu_fp8.py             # H200 (sm_89+), ~2 min; JSON to $OUT/gpu_fp8.json if OUT is set
+    python bench/ops/gpu_fp8.py --sim       # CPU dry run of the whole flow: Numba simulator, tiny shapes,
                                         # wall-clock timings (meaningless), GEMMs on CPU where torch can
-    python bench/gpu_fp8.py --ptx-only  # no GPU: compile every fp8 kernel variant for sm_90 and report
+    python bench/ops/gpu_fp8.py --ptx-only  # no GPU: compile every fp8 kernel variant for sm_90 and report
                                         # ptxas registers / spill bytes (needs NVVM + ptxas on the machine)
 
 1. conversion: the device helpers (``cvt.rn.satfinite.e4m3x2.f32``) vs torch's cast on every e4m3
@@ -37,8 +37,9 @@ if SIM:
 elif not PTX_ONLY:
     os.environ["FLUX_NUMBA_REAL_GPU"] = "1"
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: timing.py
+ROOT = os.path.dirname(BENCH)  # the repo root
+sys.path[:0] = [ROOT, BENCH]
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -46,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 import _pack  # noqa: E402
 
 _pack.load()
-import _rows_common as RC  # noqa: E402  (bench/, beside this script)
+import _rows_common as RC  # noqa: E402  (bench/ops/, beside this script)
 import timing  # noqa: E402  (bench/timing.py)
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import fp8_format as F8, fp8_rows as FR  # noqa: E402
@@ -72,7 +73,7 @@ def note(name, **kw):
 
 
 if PTX_ONLY:
-    from _fp8_ptx import ptx_report  # noqa: E402  (bench/, beside this script)
+    from _fp8_ptx import ptx_report  # noqa: E402  (bench/ops/, beside this script)
     n_failed = ptx_report(note)
     if n_failed:
         print(f"gpu_fp8.py: error: {n_failed} of the kernels did not compile (see above)", file=sys.stderr)

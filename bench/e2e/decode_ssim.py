@@ -5,10 +5,10 @@ against a reference variant (default ``exact``) and against the fp32 reference t
 
 The decoder is ComfyUI's FLUX VAE Decoder in fp32 (COMFYUI_PATH or .carry/ComfyUI), with the
 weights of ``--vae`` (a FLUX ae.safetensors) or, without one, random weights seeded as
-bench/gpu_vae.py draws them; latents go through FLUX's latent format (x / 0.3611 + 0.1159) as
+bench/ops/gpu_vae.py draws them; latents go through FLUX's latent format (x / 0.3611 + 0.1159) as
 ComfyUI's VAE.decode does.  Runs on the CPU by default (no GPU time; ~1 min per 1024² image).
 
-    python bench/decode_ssim.py out/latents.pt [--ref exact] [--vae ae.safetensors] [--json out/ssim.json]
+    python bench/e2e/decode_ssim.py out/latents.pt [--ref exact] [--vae ae.safetensors] [--json out/ssim.json]
 """
 import argparse
 import json
@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 SCALE, SHIFT = 0.3611, 0.1159  # comfy.latent_formats.Flux
 
 
@@ -32,7 +32,7 @@ def main():
     import _pack
     _pack.load()
     import torch
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path[:0] = [os.path.join(ROOT, "bench", "ops"), os.path.join(ROOT, "bench")]  # gpu_vae, timing
     import gpu_vae
     from flux_numba_pack.nodes.quality import compare
 
@@ -63,7 +63,7 @@ def main():
         weights = a.vae
     else:
         gpu_vae.init_(dec, device=dev)
-        weights = "random (bench/gpu_vae.py init_, seed 0)"
+        weights = "random (bench/ops/gpu_vae.py init_, seed 0)"
     dec = dec.eval().float()
 
     images = {}

@@ -1,7 +1,7 @@
 """GPU check + timing of the fused 8-bit attention prologue (run on the H200 from the repo root).
 
-    FLUX_NUMBA_REAL_GPU=1 python bench/gpu_attn8.py        # < 2 min; JSON to $OUT/gpu_attn8.json if set
-    FLUX_ATTN8_DRYRUN=1 python bench/gpu_attn8.py          # CPU simulator smoke test of the flow (tiny shapes)
+    FLUX_NUMBA_REAL_GPU=1 python bench/ops/gpu_attn8.py        # < 2 min; JSON to $OUT/gpu_attn8.json if set
+    FLUX_ATTN8_DRYRUN=1 python bench/ops/gpu_attn8.py          # CPU simulator smoke test of the flow (tiny shapes)
 
 qk_norm_rope(..., quant8=True) writes, in the same pass as the bf16 q/k/v, int8 Q and K (K minus a
 per-(b, h) mean from a tiny pre-launch) with per-(token, head) scales; numba-8bit attention takes
@@ -24,7 +24,7 @@ import math
 import time
 import traceback
 
-import _attn_common as AC  # bench/: this script's folder
+import _attn_common as AC  # bench/ops/: this script's folder
 
 DRY = AC.script_env("FLUX_ATTN8_DRYRUN")
 

@@ -1,7 +1,7 @@
 """Ablation trees of the 8-bit wgmma attention kernel: where its loop's time goes, without counters.
 
-    python bench/attn_ablate.py OUTDIR [NAME ...]    # writes OUTDIR/NAME/cuda_kernels for each
-    python bench/gpu_attn_ab.py new=cuda_kernels noexp=OUTDIR/noexp/cuda_kernels ...
+    python bench/ops/attn_ablate.py OUTDIR [NAME ...]    # writes OUTDIR/NAME/cuda_kernels for each
+    python bench/ops/gpu_attn_ab.py new=cuda_kernels noexp=OUTDIR/noexp/cuda_kernels ...
 
 Each tree is a copy of this repo's ``cuda_kernels`` with one textual change to
 ``attention/int8_wgmma.py`` (the full-tile path, ``folded``, and the loop), so timing it against the
@@ -16,7 +16,7 @@ import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "cuda_kernels")
+SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "cuda_kernels")  # the repo's
 
 EXP = ("s[nt * 4 + e] = exp2(y_of(",)
 CHANGES = {

@@ -1,7 +1,7 @@
 """First-use cost of the Numba kernels: compiled one after another, built in the background, or
 loaded from numba's on-disk cache -- each in a fresh process.
 
-    python bench/gpu_jit.py [--json PATH]
+    python bench/ops/gpu_jit.py [--json PATH]
 
 Three children, the kernels of the default graph each time (the FLUX ops of the exact and fast
 profiles and the NHWC VAE decoder's; ``prebuild.PLAN_SKIP`` left out):
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 CHILD = r'''
 import glob, json, os, sys, time

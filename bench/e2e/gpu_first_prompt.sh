@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first prompt of a real ComfyUI server, stock vs the pack, with numba's on-disk cache empty
 # (first start after an install / update) and filled (a restart).  On the GPU machine, repo root as
-# cwd, after `. bench/gpu_setup.sh`:   bash bench/gpu_first_prompt.sh TREE OUTDIR [TAG]
+# cwd, after `. bench/gpu_setup.sh`:   bash bench/e2e/gpu_first_prompt.sh TREE OUTDIR [TAG]
 # Servers, one after another (each a fresh main.py with ComfyUI's default flags; the pack's cache is
 # its in-tree cuda_kernels/__pycache__, as in a user's custom_nodes):
 #   cold_patched  cache emptied -> first prompt FluxNumbaPatch (exact) + FluxNumbaVAEPatch, then one more
@@ -13,7 +13,7 @@
 set -uo pipefail
 tree=$1; out=$2; tag=${3:-$(basename "$tree")}
 mkdir -p "$out"
-G="python3 bench/gpu_server.py --comfy $tree --steps 28 --res 1024 --prompt-timeout 150 --flags="
+G="python3 bench/e2e/gpu_server.py --comfy $tree --steps 28 --res 1024 --prompt-timeout 150 --flags="
 clear_cache() { find cuda_kernels -name '*.nbi' -delete; find cuda_kernels -name '*.nbc' -delete; }
 for step in ${STEPS:-cold_patched warm_stock warm_patched cold_stock}; do
   case $step in

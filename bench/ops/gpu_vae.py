@@ -1,6 +1,6 @@
 """GPU check + timing of groupnorm_silu and of ComfyUI's FLUX VAE decoder, stock vs patched.
 
-    FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=.carry/ComfyUI python bench/gpu_vae.py [--decoder-only]
+    FLUX_NUMBA_REAL_GPU=1 COMFYUI_PATH=.carry/ComfyUI python bench/ops/gpu_vae.py [--decoder-only]
 
 1. groupnorm_silu at the decoder's shapes (bf16, plus fp32 / silu off / large-mean cases):
    error vs an fp32 reference (relative Frobenius + max abs, next to stock bf16's own error),

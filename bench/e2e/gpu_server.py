@@ -16,19 +16,19 @@ suffixes (graph()): ``_schnell`` / ``_fill`` load their own random checkpoint an
 ControlNet, each made from --weights' tensors once, next to it; ``_kontext`` (a reference latent) and
 ``_redux`` (Redux's 985-token context) change the conditioning.  Each pack case's PSNR is taken
 against the stock case of the same family members (stock_schnell for patched_schnell).  Quantised
-checkpoints of --weights (bench/_server_quant.py, written next to it once): ``_fp8s`` an fp8-scaled
+checkpoints of --weights (bench/e2e/_server_quant.py, written next to it once): ``_fp8s`` an fp8-scaled
 safetensors (UNETLoader), ``_gguf`` a Q8_0 GGUF loaded by ComfyUI-GGUF's UnetLoaderGGUF (the node
 pack from --gguf-pack, installed into the server's custom_nodes; needs the gguf package).
 
-    python bench/gpu_server.py --comfy .carry/ComfyUI-0.8.0 --flags= --flags="--reserve-vram 118" \
+    python bench/e2e/gpu_server.py --comfy .carry/ComfyUI-0.8.0 --flags= --flags="--reserve-vram 118" \
         --cases stock,patched,easycache,lazycache --steps 28 --res 1024 --json $OUT/server.json
-    python bench/gpu_server.py --comfy .carry/ComfyUI-0.33.0 --flags= --interleave \
+    python bench/e2e/gpu_server.py --comfy .carry/ComfyUI-0.33.0 --flags= --interleave \
         --cases stock_schnell,patched_schnell,stock_kontext,patched_kontext,stock_cn,patched_cn
 
 CPU smoke (a ComfyUI tree's Python; the smallest checkpoint ComfyUI detects as FLUX, its own text widths):
 
     python run.py --write-model /tmp/fs/flux_min.safetensors --comfy-min
-    python bench/gpu_server.py --comfy .carry/ComfyUI-0.33.0 --flags=--cpu --weights /tmp/fs/flux_min.safetensors \
+    python bench/e2e/gpu_server.py --comfy .carry/ComfyUI-0.33.0 --flags=--cpu --weights /tmp/fs/flux_min.safetensors \
         --cond-dims 64,32 --res 64 --steps 2 --repeat 1 --cases stock_fill,patched_fill
 
 Prints one table row per (tree, flags, case) at the end.
@@ -58,7 +58,7 @@ from _server_weights import (FAMILY_FILES, FILL_IN, LORA_FILE, _dev_header, _fam
                              _st_header, family_file, family_plan, plan_bytes, write_family, write_lora,
                              write_vae, write_weights)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 GGUF_PACK = os.environ.get("COMFYUI_GGUF_PATH") or os.path.join(ROOT, ".gpu", "ComfyUI-GGUF")
 
 LOG_COUNTS = ("capture failed", "INTERNAL ASSERT", "freeAsync", "capture stopped", "Traceback", "per-block CUDA graph not captured")

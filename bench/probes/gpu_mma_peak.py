@@ -1,9 +1,9 @@
 """Sustained tensor-core throughput the pack reaches from Numba (what bounds an mma.sync conv), H200.
 
-    python bench/gpu_mma_peak.py                 # GPU, < 1 min; table last, JSON to $OUT/gpu_mma_peak.json
-    python bench/gpu_mma_peak.py --mma 2x8/256 --wgmma n256g4/128 --iters 4096
-    NUMBA_ENABLE_CUDASIM=1 python bench/gpu_mma_peak.py --sim    # CPU simulator, tiny: the kernels run
-    python bench/gpu_mma_peak.py --ptx           # no GPU: PTX for sm_90a + ptxas -v (registers, spills)
+    python bench/probes/gpu_mma_peak.py                 # GPU, < 1 min; table last, JSON to $OUT/gpu_mma_peak.json
+    python bench/probes/gpu_mma_peak.py --mma 2x8/256 --wgmma n256g4/128 --iters 4096
+    NUMBA_ENABLE_CUDASIM=1 python bench/probes/gpu_mma_peak.py --sim    # CPU simulator, tiny: the kernels run
+    python bench/probes/gpu_mma_peak.py --ptx           # no GPU: PTX for sm_90a + ptxas -v (registers, spills)
 
 Kernels (the pack's helpers, cuda_kernels/mma.py; bf16 operands, fp32 accumulators):
   mma.sync  m16n8k16 with every operand in registers: each warp holds an MT x NT grid of
@@ -42,8 +42,9 @@ elif PTX:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 else:
     os.environ.setdefault("FLUX_NUMBA_REAL_GPU", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: timing.py
+ROOT = os.path.dirname(BENCH)  # the repo root
+sys.path[:0] = [ROOT, BENCH]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -51,13 +52,14 @@ import torch  # noqa: E402
 import _pack  # noqa: E402
 
 _pack.load()   # numpy 2.5 compat (numpy.row_stack = numpy.vstack) before numba-cuda is imported
-if PTX:        # compile for sm_90 without a GPU (as bench/ptx_hash_attention.py does)
+if PTX:        # compile for sm_90 without a GPU (as bench/probes/ptx_hash_attention.py does)
     import types as _types
     import numba.cuda.dispatcher as _disp
     _disp.get_current_device = lambda: _types.SimpleNamespace(compute_capability=(9, 0))
 from numba import cuda, float32, int32, int64  # noqa: E402  (module global `cuda`: the simulator swaps it)
 from flux_numba_pack.cuda_kernels import launching, mma as _mma, runtime  # noqa: E402
 from flux_numba_pack.flux_core import harness  # noqa: E402
+import timing  # noqa: E402  (bench/timing.py)
 
 # plain cuda.jit (no on-disk cache: a few small kernels); fastmath as the pack's kernels
 _jit = cuda.jit if SIM else (lambda f: cuda.jit(f, fastmath=True))
@@ -244,9 +246,9 @@ def wgmma_reference(A, Bs, tiles, groups, G):
 
 # ------------------------------------------------------------------------------------ timing
 def events_ms(fn, warm=3, reps=5):
-    """Median ms of one call between two CUDA events (``flux_core.harness``; simulator: one call's
-    wall time)."""
-    return harness.median_ms(fn, DEV, 0, 1) if SIM else harness.median_ms(fn, DEV, warm, reps)
+    """Median ms of one call between two CUDA events, synchronized around each (``timing.median_ms``;
+    simulator: one call's wall time, ``flux_core.harness``)."""
+    return harness.median_ms(fn, DEV, 0, 1) if SIM else timing.median_ms(fn, reps=reps, warm=warm, sync_each=True)
 
 
 def regs_of(la):

@@ -21,7 +21,7 @@ def split_lora(case):
 
 
 FAMILY_RE = re.compile(r"_(schnell|kontext|fill|redux|cn)(?=_|$)")
-QUANTS = ("fp8s", "gguf")  # quantised checkpoints of --weights (bench/_server_quant.py): fp8 scaled, GGUF Q8_0
+QUANTS = ("fp8s", "gguf")  # quantised checkpoints of --weights (bench/e2e/_server_quant.py): fp8 scaled, GGUF Q8_0
 QUANT_RE = re.compile(r"_(fp8s|gguf)(?=_|$)")
 SCHNELL_STEPS = 4        # FLUX.1-schnell is a 4-step model: its cases override --steps
 REDUX_TOKENS = 729       # Redux's StyleModelApply appends 27 x 27 SigLIP image tokens to the text context

@@ -1,12 +1,12 @@
 """GPU check + timing of the attention op's numba backends (run on the H200 from the repo root).
 
-    FLUX_NUMBA_REAL_GPU=1 python bench/gpu_attention.py            # all checks + timings
+    FLUX_NUMBA_REAL_GPU=1 python bench/ops/gpu_attention.py            # all checks + timings
     FLUX_ATTN_QUICK=1 ...                                          # only the FLUX shape
     FLUX_ATTN_BUDGET=200 ...                                       # seconds before the remaining steps are skipped (100)
 Kernels (explicit configs, ``attention.configs``): ``numba`` / ``numba-8bit`` = the op's selection
 on this GPU (the wgmma kernels on Hopper at head dim 128, else mma.sync), ``@mma`` = the mma.sync
 kernel forced.  The FLUX shape is also timed as device time (10 launches inside one CUDA graph,
-replayed: no Python launch cost).  The per-kernel table at the FLUX shape: bench/gpu_attn_kernels.py.
+replayed: no Python launch cost).  The per-kernel table at the FLUX shape: bench/ops/gpu_attn_kernels.py.
 
 Checks (fresh random inputs, poisoned outputs, NaN check): relative Frobenius error vs an fp32
 SDPA (math backend, TF32 off) next to bf16 SDPA's own error, at [1,24,4608,128] (FLUX 1024^2),
@@ -20,7 +20,7 @@ import os
 import time
 import traceback
 
-import _attn_common as AC  # bench/: this script's folder
+import _attn_common as AC  # bench/ops/: this script's folder
 
 DRY = AC.script_env()
 

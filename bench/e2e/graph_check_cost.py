@@ -1,11 +1,11 @@
 """Host cost of the per-call CUDA-graph safety check on FLUX.1-dev's module tree (CPU only).
 
-    COMFYUI_PATH=.carry/ComfyUI-0.8.0 python bench/graph_check_cost.py
+    COMFYUI_PATH=.carry/ComfyUI-0.8.0 python bench/e2e/graph_check_cost.py
 
 Builds ComfyUI's ``Flux`` with FLUX.1-dev's depth (19 double + 38 single blocks: 581 modules that own
 parameters, 780 parameters) at tiny widths -- the walk's cost depends on the tree, not on the tensor
 sizes -- and times, median of 21 after 3 warm-ups (``time.perf_counter``):
-  * before (session 8's wrapper, each step): ``flux_core.graphs.graph_blockers`` (named_parameters,
+  * before (the earlier wrapper, each step): ``flux_core.graphs.graph_blockers`` (named_parameters,
     device compare), a ``named_modules`` walk for per-call weight work, and ``GraphedForward``'s
     ``data_ptr`` tuple over ``parameters()``;
   * now: ``nodes.host.graph_state`` (one walk, the addresses included).
@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.abspath(os.environ.get("COMFYUI_PATH", os.path.join(ROOT, ".carry", "ComfyUI"))))
 
@@ -34,6 +34,7 @@ import _pack  # noqa: E402
 _pack.load()
 from flux_numba_pack.flux_core.graphs import graph_blockers  # noqa: E402
 from flux_numba_pack.nodes import host  # noqa: E402
+from flux_numba_pack.nodes.host.residency import _freezes_per_call_work  # noqa: E402
 
 torch.cuda.is_current_stream_capturing = lambda: False   # (CPU-only torch builds raise there)
 
@@ -50,7 +51,7 @@ dev = torch.device("cuda", 0)
 
 def before():
     why = graph_blockers(m, dev)
-    cast = [n for n, mm in m.named_modules() if host._freezes_per_call_work(mm)]
+    cast = [n for n, mm in m.named_modules() if _freezes_per_call_work(mm)]
     return why, cast, tuple(p.data_ptr() for p in m.parameters())
 
 

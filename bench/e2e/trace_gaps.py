@@ -8,7 +8,7 @@ host was doing meanwhile (the host-side events overlapping the gap, by time).  A
 activity is Python between torch calls; one that overlaps a long ``cudaMemcpyAsync`` / synchronize is
 the host waiting for the GPU (a sync), after which the host's next work runs with the GPU idle.
 
-    python bench/trace_gaps.py trace_patched.json.gz --min-us 1000
+    python bench/e2e/trace_gaps.py trace_patched.json.gz --min-us 1000
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ def ptx_report(note):
     cases = dict(FR.PTX_CASES)
     cases.update({k: v for k, v in LM.PTX_CASES.items() if "fp8" in k})
     exe = shutil.which("ptxas")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "probes"))
     from ptx_hash_attention import ptx_toolchain_missing
     why = ptx_toolchain_missing()
     if why:  # one line, not the same error once per kernel

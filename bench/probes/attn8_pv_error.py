@@ -2,7 +2,7 @@
 kernel's arithmetic on the kinds of inputs the GPU checks use (fresh N(0, 1) bf16 q / k / v, and
 the same with a few channels 30x), against fp32 attention:
 
-    python bench/attn8_pv_error.py [L] [H]
+    python bench/probes/attn8_pv_error.py [L] [H]
 
 Q / K: int8 as the kernels quantize them (``scores8_reference``: K smoothed by its mean, Q per 16
 rows, K per 64 keys).
@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: _pack
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))   # the repo root: _pack
 import _pack  # noqa: E402
 
 _pack.load()

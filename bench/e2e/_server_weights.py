@@ -13,7 +13,7 @@ import sys
 
 from _server_nodes import MAKE_VAE
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 
 def write_weights(path, seed=0):

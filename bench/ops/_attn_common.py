@@ -9,12 +9,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-import timing  # bench/timing.py, beside this module
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: timing.py
+ROOT = os.path.dirname(BENCH)  # the repo root
+sys.path.insert(0, BENCH)
+import timing  # noqa: E402  (bench/timing.py, the shared timing helper)
 
 DRY = False
 T0 = time.time()
 results = {}  # JSON of the run
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def script_env(var="FLUX_ATTN_DRYRUN"):

@@ -1,7 +1,7 @@
 """GPU check + timing of the fused memory-bound ops' numba backends (run on the H200 from the repo root).
 
-    FLUX_NUMBA_REAL_GPU=1 python bench/gpu_fused.py
-    python bench/gpu_fused.py --ptx-only        # no GPU needed: compile each kernel for cc 9.0, read the PTX
+    FLUX_NUMBA_REAL_GPU=1 python bench/ops/gpu_fused.py
+    python bench/ops/gpu_fused.py --ptx-only        # no GPU needed: compile each kernel for cc 9.0, read the PTX
 
 Ops: ln_modulate, gated_residual, gated_residual_ln_modulate, qk_norm_rope, gelu_tanh at FLUX.1
 1024^2 shapes (C=3072, 24 heads x 128, img L=4096, txt L=512, single-block L=4608 with qkv / mlp
@@ -30,15 +30,16 @@ PTX_ONLY = "--ptx-only" in sys.argv
 if not PTX_ONLY:
     os.environ["FLUX_NUMBA_REAL_GPU"] = "1"
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: timing.py
+ROOT = os.path.dirname(BENCH)  # the repo root
+sys.path[:0] = [ROOT, BENCH]
 
 import torch  # noqa: E402
 
 import _pack  # noqa: E402
 
 _pack.load()
-import _rows_common as RC  # noqa: E402  (bench/, beside this script)
+import _rows_common as RC  # noqa: E402  (bench/ops/, beside this script)
 import timing  # noqa: E402  (bench/timing.py)
 from flux_numba_pack.cuda_kernels import registry  # noqa: E402
 from flux_numba_pack.cuda_kernels import launching  # noqa: E402

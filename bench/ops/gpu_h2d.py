@@ -2,14 +2,16 @@
 pressure): pinned (cudaHostAlloc), pageable, and registered (cudaHostRegister) host memory, one
 stream and two streams, CUDA events, median of repeats.  Prints a table.
 
-    python bench/gpu_h2d.py [--sizes-mb 0.25,1,19,57,128] [--reps 9]
+    python bench/ops/gpu_h2d.py [--sizes-mb 0.25,1,19,57,128] [--reps 9]
 """
 import argparse
+import os
 import sys
 
 import torch
 
-import timing  # bench/timing.py, beside this script
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: timing.py
+import timing  # noqa: E402  (bench/timing.py, the shared timing helper)
 
 
 def timed(fn, reps):

@@ -4,7 +4,7 @@ import argparse
 import os
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root (bench.py's folder)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root (bench.py's folder)
 
 
 def _int_at_least(lo, multiple=1):
@@ -90,14 +90,14 @@ def parse(doc):
     p.add_argument("--trajectory", type=_int_at_least(0), default=0, help="also run an N-step Euler trajectory (PSNR vs fp32)")
     p.add_argument("--save-latents", default=None, metavar="PATH",
                    help="with --trajectory: torch.save the final latent of each variant and of the fp32 reference "
-                        "(bench/decode_ssim.py decodes them and compares the images)")
+                        "(bench/e2e/decode_ssim.py decodes them and compares the images)")
     p.add_argument("--no-comfy", action="store_true", help="use the standalone model even if ComfyUI is importable")
     p.add_argument("--no-autotune", dest="autotune", action="store_false",
                    help="auto picks by priority instead of timing each candidate once per shape")
     p.add_argument("--json", default=os.path.join(ROOT, "out", "bench.json"), metavar="PATH",
                    help="where the results go (default out/bench.json next to bench.py)")
     p.add_argument("--vae", action="store_true", help="also time the FLUX VAE decode of a 1024^2 image, "
-                   "stock ComfyUI decoder vs FluxNumbaVAEPatch's (bench/gpu_vae.py run_decoder)")
+                   "stock ComfyUI decoder vs FluxNumbaVAEPatch's (bench/ops/gpu_vae.py run_decoder)")
     p.add_argument("--memory", default="", type=_variant_list(True),
                    help="comma list of variants: allocations live at the peak of one forward")
     p.add_argument("--host-profile", default="", type=_variant_list(True), help="comma list of variants: one forward "
