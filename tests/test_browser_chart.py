@@ -98,6 +98,7 @@ runPage({}, async (page, res) => {
   res.rects = await page.locator('[data-flux-numba-chart][data-node-id="2"] rect.flux-numba-bar').count();
   res.labels = await page.evaluate(() => document.querySelector('[data-flux-numba-chart][data-node-id="2"]').dataset.labels);
   res.stats = await page.locator('[data-flux-numba-chart][data-node-id="2"] .flux-numba-stats').innerText();
+  res.yticks = await page.evaluate(() => [...document.querySelectorAll('[data-flux-numba-chart][data-node-id="2"] text.flux-numba-tick[data-axis="y"]')].map((t) => t.textContent));
   await page.waitForFunction(() => (document.querySelector('[data-flux-numba-text][data-node-id="6"]')?.textContent || "").includes("mean ms"), null, { timeout: cfg.timeoutMs });
   res.report_text = await page.evaluate(() => document.querySelector('[data-flux-numba-text][data-node-id="6"]').textContent);
   res.series = await page.evaluate(() => window.fluxNumba.series(2));
@@ -160,6 +161,9 @@ def test_chart_in_browser(comfy_server):
     assert res["bars"] == N_STEPS and res["rects"] == N_STEPS, res
     assert res["labels"] == "stock"
     assert "it/s" in res["stats"] and "mean" in res["stats"], res["stats"]
+    # the three y-axis tick labels share one format (no decimals from 100 ms up, one below)
+    decimals = {len(t.partition(".")[2]) for t in res["yticks"]}
+    assert len(res["yticks"]) == 3 and len(decimals) == 1 and decimals <= {0, 1}, res["yticks"]
     s = res["series"]["series"]["stock"]
     assert len(s["steps"]) == N_STEPS and s["done"] and s["summary"]["steps"] == N_STEPS
     assert all(p["ms"] > 0 for p in s["steps"])
