@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What tests/test_browser.py needs besides a ComfyUI tree, installed from the package registries
+# What tests/test_browser_*.py need besides a ComfyUI tree, installed from the package registries
 # where it is missing and can be: Debian's chromium (apt-get, as root) and playwright-core (npm, into
 # <repo>/.browser-tools, git-ignored; no browser download).  One line per tool: found / installed /
 # not installed and why.  Never fails: without them the browser tests skip and say why.

@@ -36,6 +36,14 @@ _pack.load()
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def comfy_server():
+    """The ComfyUI server of the browser tests (tests/test_browser_*.py), one for all of them: started by
+    the first browser test that runs, stopped when the session ends (tests/_browser_testing.py)."""
+    import _browser_testing
+    yield from _browser_testing.browser_server()
+
+
 def pytest_addoption(parser):
     parser.addoption("--file-progress", action="store_true",
                      help="one line as each test file starts (elapsed time, tests done of all) and one as it ends "

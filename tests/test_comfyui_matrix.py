@@ -102,11 +102,11 @@ def _tail(out, n=6000):
 def test_inner_skips_counted_per_file_and_reason():
     """The per-tree run's skip lines reach the outer summary grouped by file and reason."""
     out = "\n".join([
-        "SKIPPED [1] tests/test_browser.py:330: Debian chromium not found (apt-get install -y chromium, or set CHROMIUM_PATH)",
-        "SKIPPED [3] tests/test_browser.py:330: Debian chromium not found (apt-get install -y chromium, or set CHROMIUM_PATH)",
+        "SKIPPED [1] tests/test_browser_chart.py:139: Debian chromium not found (apt-get install -y chromium, or set CHROMIUM_PATH)",
+        "SKIPPED [1] tests/test_browser_chart.py:146: Debian chromium not found (apt-get install -y chromium, or set CHROMIUM_PATH)",
         "SKIPPED [2] /abs/tests/test_comfyui.py:12: needs a GPU",
         "12 passed, 6 skipped in 3.0s",
     ])
     assert inner_skips(out) == [
-        (4, "test_browser.py", "Debian chromium not found (apt-get install -y chromium, or set CHROMIUM_PATH)"),
+        (2, "test_browser_chart.py", "Debian chromium not found (apt-get install -y chromium, or set CHROMIUM_PATH)"),
         (2, "test_comfyui.py", "needs a GPU")]

@@ -24,7 +24,7 @@ import uuid
 
 import pytest
 
-from test_browser import _comfy_path, _comfy_python, _get, running_comfyui
+from _browser_testing import _comfy_path, _comfy_python, _get, running_comfyui
 
 pytestmark = pytest.mark.comfyui
 

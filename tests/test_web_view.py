@@ -1,6 +1,6 @@
 """web/flux_numba_view.js -- what the step-timer chart says about a run, in words -- under node (no
-browser, no ComfyUI): the pure functions flux_numba.js draws with.  tests/test_browser.py checks the
-same points in a real page.  Skips (with the reason) where node is not installed."""
+browser, no ComfyUI): the pure functions flux_numba.js draws with.  tests/test_browser_states.py checks
+the same points in a real page.  Skips (with the reason) where node is not installed."""
 import json
 import os
 import shutil

@@ -199,7 +199,7 @@ function redraw(node) {
     for (const frac of [0, 0.5, 1]) {
       const y = padT + plotH * (1 - frac);
       svg("line", { x1: padL, x2: W - padR, y1: y, y2: y, stroke: "#444", "stroke-width": 0.5 }, chart);
-      const t = svg("text", { class: "flux-numba-tick", x: padL - 3, y: y + 3, "text-anchor": "end", "font-size": 9, fill: "#aaa" }, chart);
+      const t = svg("text", { class: "flux-numba-tick", "data-axis": "y", x: padL - 3, y: y + 3, "text-anchor": "end", "font-size": 9, fill: "#aaa" }, chart);
       t.textContent = fmt(maxMs * frac, tickNd);
     }
     series.forEach((s, j) => {
