@@ -13,12 +13,7 @@ Per block call ``fn(args, extra)``:
     weight functions), which host features the fused path cannot run -- comes from the host package (``nodes/host/``);
   * the op policy (backend / attention / route_norms) is applied with ``registry.force(...)`` only
     while this model's block runs, so two differently patched models in one graph don't interfere;
-  * attention "auto": the registry picks the attention op's backend once per shape (the pack's
-    kernels are opt-in; SDPA in torch's order -- FLASH first -- or cuDNN first: on an H200 0.74-0.85
-    vs 0.375 ms per FLUX call; v0.33 itself orders FLASH first, v0.8.0 cuDNN first on Windows only).  Where it picks
-    SDPA and ComfyUI's attention is its plain SDPA path, the measured order runs; where ComfyUI's
-    attention is something else (sage / flash-attn / xformers / split ...), ComfyUI's is called.  An ``optimized_attention_override`` from another node always goes through
-    ComfyUI's attention;
+  * attention: which callable a block call's attention runs (``attention_route.AttentionRoute``);
   * a block or call the fused path does not cover (a non-FLUX.1 block, unexpected shapes/dtypes,
     ``attn1_patch`` / ``attn1_output_patch``, Kontext ``modulation_dims``) runs ComfyUI's original
     block, logged once per reason;
@@ -53,22 +48,19 @@ from typing import Optional
 
 import torch
 
-from .host import (ComfyWeights, attention_override, block_attention, block_problem, block_residency, call_problem,
-                   capture_headroom, compiler_recording, default_sdpa_attention, flux_types,
-                   dynamic_block, fp8_stored_block, flux_attention, release_pins, resolve_block, staged_block,
-                   streamed_weights,
-                   weight_epoch)
+from .host import (ComfyWeights, block_problem, block_residency, call_problem, capture_headroom, compiler_recording,
+                   dynamic_block, flux_types, fp8_stored_block, release_pins, resolve_block, staged_block,
+                   streamed_weights, weight_epoch)
 from .plan import (ATTENTION_BACKEND, ATTENTION_OP, ATTENTIONS, BACKENDS, CUDA_GRAPHS, FAST_PROFILES,  # noqa: F401
                    PROFILES, BlockFacts, PatchPlan)
 from .warm import warm_kernels, _use_stock_rope
 from .checks import input_problem
+from .attention_route import AttentionRoute, REFERENCE_NAME, SDPA_BACKENDS  # noqa: F401
 from .fp8_copies import FP8_KEEP_FREE_SHARE, Fp8Copies  # noqa: F401
 
 log = logging.getLogger("flux_numba")
 
 
-REFERENCE_NAME = "torch"  # the registry's reference backend
-SDPA_BACKENDS = (REFERENCE_NAME, "cudnn")  # the attention op's torch SDPA backends (torch's order / cuDNN first)
 INFO_KEY = "flux_numba"
 
 # per-block graph capture function (None: CUDA graphs, flux_core.block_graphs.CudaCapture); tests set a stand-in
@@ -178,7 +170,7 @@ def unavailable_reason(model_patcher, backend: str) -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------- runner
-class _Runner(Fp8Copies):
+class _Runner(AttentionRoute, Fp8Copies):
     """Shared by all block functions of one patch (and every later clone of the patched model)."""
 
     def __init__(self, plan, model_ref, patch_id: int):
@@ -223,64 +215,10 @@ class _Runner(Fp8Copies):
         self.stats["block_graph_misses"] = self.graph_why
         return self.graphs
 
-    def sdpa_direct(self) -> bool:
-        """attention "auto", the registry's pick is an SDPA backend: True when ComfyUI's attention is
-        its plain SDPA path (``host.default_sdpa_attention``) -- the measured SDPA order then runs;
-        False when ComfyUI's attention is something else (sage, flash-attn, xformers, split ...:
-        chosen by the user or by ComfyUI for this platform), which is then called as ComfyUI's."""
-        d = self._sdpa_direct
-        if d is None:
-            d = self._sdpa_direct = default_sdpa_attention()
-            self.note(("sdpa direct",), logging.INFO, "attention auto: %s", "ComfyUI's attention is plain SDPA; "
-                      "the SDPA backend order is picked by measurement per shape" if d else
-                      "ComfyUI's attention is not plain SDPA (sage / flash-attn / xformers / split ...): it is called "
-                      "as ComfyUI's where the registry picks SDPA")
-        return d
-
     def note(self, key, level, msg, *a):
         if key not in self.logged:
             self.logged.add(key)
             log.log(level, "[flux_numba] " + msg, *a)
-
-    def _attention(self, topts, sig, blk=None):
-        """The BlockContext.attention callable for one block call (None: the registry's op)."""
-        route = self.attn_route
-        choice = self.attn_choice.get(sig) if route == "auto" else None
-        registry = self.registry
-
-        def comfy_attention(q, k, v, mask):
-            oa = flux_attention()  # exactly what stock FLUX calls, looked up per call
-            registry.count(ATTENTION_OP, "comfy")
-            return oa(q, k, v, q.shape[1], skip_reshape=True, mask=mask, transformer_options=topts)
-
-        if attention_override(topts) is not None:
-            self.note(("attention override",), logging.INFO, "another node set transformer_options['%s']: "
-                      "attention runs through ComfyUI's optimized_attention, which applies it (logged once)",
-                      "optimized_attention_override")
-            return comfy_attention
-        own = block_attention(blk)
-        if own is not None:  # the checkpoint chose this block's attention (ComfyUI 0.36+): honoured
-            self.note(("block attention",), logging.INFO, "the checkpoint sets per-block attention (%s): those "
-                      "blocks' attention runs it, as stock does (logged once)", getattr(own, "__name__", type(own).__name__))
-
-            def checkpoint_attention(q, k, v, mask):
-                registry.count(ATTENTION_OP, "checkpoint")
-                return own(q, k, v, q.shape[1], skip_reshape=True, mask=mask, transformer_options=topts)
-            return checkpoint_attention
-        if route == "comfy" or (choice in SDPA_BACKENDS and not self.sdpa_direct()):
-            return comfy_attention
-        if route == "registry" or choice is not None:
-            return None  # BlockContext calls the registry's "attention" op under the policy
-
-        def auto_attention(q, k, v, mask):
-            """First call of an input signature: let the registry choose, remember the choice."""
-            b = registry.choose(ATTENTION_OP, q, k, v, mask)
-            self.attn_choice[sig] = b.name
-            if b.name in SDPA_BACKENDS and not self.sdpa_direct():
-                return comfy_attention(q, k, v, mask)
-            registry.count(ATTENTION_OP, b.name)
-            return b.fn(q, k, v, mask)
-        return auto_attention
 
     def fallback(self, kind, index, why, args, extra, level=logging.WARNING):
         """Count, log once per (block kind, reason) -- not per block or step -- and run stock."""
