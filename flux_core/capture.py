@@ -44,7 +44,7 @@ import torch
 
 log = logging.getLogger("flux_numba")
 
-GC_ROUND_S = 5.0  # captures closer together than this share one gc.collect()
+GC_ROUND_S = 5.0  # captures closer together than this share one collection
 
 _state = {"off": None, "last_gc": 0.0, "gc_s": 0.0}
 _probe = threading.local()

@@ -55,7 +55,7 @@ from .plan import (ATTENTION_BACKEND, ATTENTION_OP, ATTENTIONS, BACKENDS, CUDA_G
                    PROFILES, BlockFacts, PatchPlan)
 from .warm import warm_kernels, _use_stock_rope
 from .checks import input_problem
-from .attention_route import AttentionRoute, REFERENCE_NAME, SDPA_BACKENDS  # noqa: F401
+from .attention_route import AttentionRoute, SDPA_BACKENDS
 from .fp8_copies import FP8_KEEP_FREE_SHARE, Fp8Copies  # noqa: F401
 
 log = logging.getLogger("flux_numba")
